@@ -1,0 +1,85 @@
+"""Hyperparameters of a GRPO run, their defaults, and the checks that stop bad settings early.
+
+``GRPO_Args`` keeps the reference chapter's names and defaults so that code written against the
+chapter (``ReplayMemory(args, ...)``, ``get_optimizer_and_scheduler(args, model)``) runs unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+class GRPOError(Exception):
+    """Base class of the errors this library raises for a user to read (one line, no traceback)."""
+
+
+class GRPOConfigError(GRPOError, ValueError):
+    """A setting that cannot work; the message names the setting and how to fix it."""
+
+
+def _zero_reward(samples: list[str]) -> torch.Tensor:
+    return torch.zeros(len(samples))
+
+
+@dataclass
+class GRPO_Args:
+    """The reference chapter's ``GRPO_Args`` (minus wandb), validated on construction."""
+
+    seed: int = 1
+    total_phases: int = 100  # one phase = one rollout + one learning phase = one Lightning epoch
+    prompt: str = "This is"
+    batch_size: int = 128  # the group size G: completions sampled per phase
+    num_minibatches: int = 4
+    batches_per_learning_phase: int = 2  # shuffled passes over the group per phase
+    lr: float = 1e-5
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 10  # in phases
+    final_scale: float = 0.1  # LR multiplier reached at the last phase
+    clip_coef: float = 0.2
+    kl_coef: float = 0.3
+    base_model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    gen_len: int = 30
+    temperature: float = 1.0
+    reward_fn: Callable = field(default=_zero_reward, repr=False)
+
+    def __post_init__(self) -> None:
+        validate_args(self)
+        self.minibatch_size = self.batch_size // self.num_minibatches
+
+
+def validate_args(args: GRPO_Args) -> None:
+    """Raises GRPOConfigError, naming the setting, for the first setting that cannot work."""
+    checks = [
+        (args.batch_size >= 1, f"batch_size ({args.batch_size}) must be at least 1"),
+        (args.num_minibatches >= 1, f"num_minibatches ({args.num_minibatches}) must be at least 1"),
+        (
+            args.batch_size % args.num_minibatches == 0,
+            f"batch_size ({args.batch_size}) must be divisible by num_minibatches ({args.num_minibatches})",
+        ),
+        (
+            args.batches_per_learning_phase >= 1,
+            f"batches_per_learning_phase ({args.batches_per_learning_phase}) must be at least 1",
+        ),
+        (
+            args.total_phases > args.warmup_steps,
+            f"total_phases ({args.total_phases}) must be greater than warmup_steps ({args.warmup_steps})",
+        ),
+        (args.warmup_steps >= 0, f"warmup_steps ({args.warmup_steps}) must be >= 0"),
+        (args.gen_len >= 1, f"gen_len ({args.gen_len}) must be at least 1"),
+        (args.temperature > 0, f"temperature ({args.temperature}) must be > 0"),
+        (0 < args.clip_coef < 1, f"clip_coef ({args.clip_coef}) must lie strictly between 0 and 1"),
+        (args.kl_coef >= 0, f"kl_coef ({args.kl_coef}) must be >= 0"),
+        (args.lr > 0, f"lr ({args.lr}) must be > 0"),
+        (args.max_grad_norm > 0, f"max_grad_norm ({args.max_grad_norm}) must be > 0"),
+        (0 <= args.final_scale, f"final_scale ({args.final_scale}) must be >= 0"),
+        (
+            isinstance(args.prompt, str) and args.prompt.strip() != "",
+            "prompt must be a non-empty string (it is what every completion continues)",
+        ),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise GRPOConfigError(message)

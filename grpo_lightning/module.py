@@ -1,0 +1,269 @@
+"""GRPOModule: GRPO as a LightningModule. One phase = one epoch.
+
+Read top to bottom, in the order a phase runs:
+  configure_model        load the policy (and, with kl_coef > 0, a frozen reference copy)
+  on_train_epoch_start   rollout under no_grad: sample, score, advantages, old/ref log-probs -> memory
+  train_dataloader       an IterableDataset over the memory: shuffled minibatches
+  training_step          clipped surrogate - kl_coef * k2, maximised by AdamW(maximize=True)
+  configure_optimizers   AdamW + warmup/linear-decay schedule stepped once per phase
+Lightning does backward, gradient clipping, precision, devices, checkpoints and logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Callable
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import grad_norm
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from rewards import CharCount
+
+from .config import GRPO_Args, GRPOConfigError
+from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
+from .models import check_model_name, load_causal_lm, load_tokenizer
+from .objectives import (
+    calc_clipped_surrogate_objective,
+    calc_kl_penalty,
+    clip_fraction,
+    compute_grpo_advantages,
+    get_logits,
+    get_logprobs,
+    get_logprobs_batched,
+    kl_k1,
+)
+from .optim import get_optimizer_and_scheduler
+from .reporting import phase_line, render_console_table, render_markdown_table, sample_rows
+from .reward_checks import score_samples
+from .sampling import get_samples
+
+log = logging.getLogger(__name__)
+
+REF_PREFIX = "ref_model."
+
+
+def phase_seed(seed: int, phase: int, rank: int) -> int:
+    """A distinct, reproducible seed per (run seed, phase, process): a resumed run samples exactly
+    what an uninterrupted one would have, and each rank of a multi-device run samples its own group."""
+    return ((seed * 1_000_003 + phase) * 1_009 + rank) % (2**63)
+
+
+class GRPOModule(L.LightningModule):
+    def __init__(
+        self,
+        reward: Callable[[list[str]], Tensor] = CharCount("."),
+        model_name_or_path: str | None = None,
+        prompt: str = "This is",
+        start_token: str | None = None,
+        total_phases: int = 100,
+        batch_size: int = 128,
+        num_minibatches: int = 4,
+        batches_per_learning_phase: int = 2,
+        gen_len: int = 30,
+        temperature: float = 1.0,
+        lr: float = 1e-5,
+        warmup_steps: int = 10,
+        final_scale: float = 0.1,
+        max_grad_norm: float = 1.0,
+        clip_coef: float = 0.2,
+        kl_coef: float = 0.3,
+        seed: int = 1,
+        samples_shown: int = 3,
+        export_dir: str | None = "hf_model",
+    ):
+        """
+        Args:
+            reward: maps samples (prompt + completion strings) to a float tensor (B,). In YAML, a
+                ``class_path``/``init_args`` block, e.g. ``rewards.CharCount``.
+            model_name_or_path: Hugging Face hub id or local directory of a causal LM; unset (null)
+                uses the embedded SmolLM2-135M-Instruct.
+            prompt: the text every completion continues (one prompt, so the whole batch is one group).
+            start_token: prepended to the prompt as a start-of-document marker; null picks the
+                tokenizer's own (``<|endoftext|>`` for GPT-2 and SmolLM2); "" for none.
+            total_phases: phases to train (a phase = rollout + learning = one epoch).
+            batch_size: completions per phase, the GRPO group size G.
+            num_minibatches: minibatches the group is split into for the learning phase.
+            batches_per_learning_phase: shuffled passes over the group per learning phase.
+            gen_len: tokens generated per completion (always exactly this many).
+            temperature: sampling temperature (1.0 samples the policy's own distribution).
+            lr: peak learning rate of AdamW.
+            warmup_steps: phases of linear LR warmup.
+            final_scale: LR multiplier reached at the last phase, after linear decay.
+            max_grad_norm: gradient-norm clipping threshold (the trainer's gradient_clip_val wins if set).
+            clip_coef: epsilon of the clipped surrogate, in (0, 1).
+            kl_coef: beta, weight of the k2 KL penalty to the reference model; 0 loads no reference.
+            seed: seed of sampling and minibatch shuffling (per phase, so resumed runs match).
+            samples_shown: samples printed and logged per phase.
+            export_dir: where, inside the run's log directory, the trained policy and tokenizer are
+                saved in Hugging Face format at the end of training; null to skip.
+        """
+        super().__init__()
+        check_model_name(model_name_or_path)
+        self.args = GRPO_Args(
+            seed=seed, total_phases=total_phases, prompt=prompt, batch_size=batch_size,
+            num_minibatches=num_minibatches, batches_per_learning_phase=batches_per_learning_phase,
+            lr=lr, max_grad_norm=max_grad_norm, warmup_steps=warmup_steps, final_scale=final_scale,
+            clip_coef=clip_coef, kl_coef=kl_coef, base_model=model_name_or_path, gen_len=gen_len,
+            temperature=temperature, reward_fn=reward,
+        )  # fmt: skip
+        self.reward = reward
+        self.start_token = start_token
+        self.samples_shown = samples_shown
+        self.export_dir = export_dir
+        self.save_hyperparameters(ignore=["reward"])
+
+        self.policy: torch.nn.Module | None = None
+        self.ref_model: torch.nn.Module | None = None
+        self.tokenizer = None
+        self.memory: ReplayMemory | None = None
+        self._shuffle_generator: torch.Generator | None = None
+
+        # The frozen reference never changes: keep it out of checkpoints, and forgive exactly its
+        # keys when loading, so that loading stays strict for everything else.
+        self.register_state_dict_post_hook(_drop_reference_keys)
+        self.register_load_state_dict_post_hook(_forgive_missing_reference_keys)
+
+    # ---- models ----------------------------------------------------------------------------
+
+    @property
+    def uses_reference(self) -> bool:
+        return self.args.kl_coef > 0
+
+    def configure_model(self) -> None:
+        """Loads the models once (Lightning and ``load_from_checkpoint`` may both call this)."""
+        if self.policy is not None:
+            return
+        self.tokenizer = load_tokenizer(self.args.base_model)
+        self.policy = load_causal_lm(self.args.base_model)
+        if self.uses_reference:
+            self.ref_model = load_causal_lm(self.args.base_model).requires_grad_(False)
+
+    def get_ref_logprobs(self, sample_ids: Tensor) -> Tensor | None:
+        """(B, T) log-probabilities under the reference policy; None when there is none (kl_coef=0).
+        Kept behind a method so that LoRA can answer with the adapters switched off."""
+        if self.ref_model is None:
+            return None
+        return get_logprobs_batched(self.ref_model, sample_ids, self.args.gen_len, self.args.minibatch_size)
+
+    # ---- rollout phase ---------------------------------------------------------------------
+
+    def on_fit_start(self) -> None:
+        max_epochs = self.trainer.max_epochs
+        if max_epochs != self.args.total_phases:
+            raise GRPOConfigError(
+                f"trainer.max_epochs ({max_epochs}) must equal model.total_phases ({self.args.total_phases}): "
+                "one epoch is one GRPO phase and the LR schedule is laid out over total_phases"
+            )
+
+    def on_train_epoch_start(self) -> None:
+        # eval() switches off dropout only (gradients still flow): rollout, learning and reference
+        # log-probabilities must all come from the same deterministic function.
+        self.policy.eval()
+        seed = phase_seed(self.args.seed, self.current_epoch, self.global_rank)
+        torch.manual_seed(seed)
+        self._shuffle_generator = torch.Generator().manual_seed(seed + 1)
+        # Same autocast as training_step, so the first minibatch's importance ratio is exactly 1.
+        with torch.no_grad(), self.trainer.precision_plugin.forward_context():
+            self.memory = self.rollout_phase()
+
+    def rollout_phase(self) -> ReplayMemory:
+        args = self.args
+        sample_ids, samples = get_samples(
+            self.policy, self.tokenizer, args.prompt, args.batch_size, args.gen_len, args.temperature, self.start_token
+        )
+        rewards = score_samples(self.reward, samples)
+        advantages = compute_grpo_advantages(rewards).to(self.device)
+        logprobs = get_logprobs_batched(self.policy, sample_ids, args.gen_len, args.minibatch_size)
+        ref_logprobs = self.get_ref_logprobs(sample_ids)
+        self.log_rollout(samples, rewards, logprobs, ref_logprobs)
+        if ref_logprobs is None:  # kl_coef=0: the KL term is skipped, these zeros are never read
+            ref_logprobs = torch.zeros_like(logprobs)
+        return ReplayMemory(args, sample_ids, logprobs, ref_logprobs, advantages)
+
+    def log_rollout(self, samples: list[str], rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor | None) -> None:
+        # k1 averaged over the batch: unbiased, and steadier than k3 once the policy has drifted far.
+        kl = None if ref_logprobs is None else kl_k1(logprobs, ref_logprobs).mean().item()
+        metrics = {
+            "rollout/reward_mean": rewards.mean(),
+            "rollout/reward_std": rewards.std() if len(rewards) > 1 else torch.tensor(0.0),
+            "rollout/reward_min": rewards.min(),
+            "rollout/reward_max": rewards.max(),
+        }
+        if kl is not None:
+            metrics["rollout/kl"] = torch.tensor(kl)
+        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(samples))
+
+        rows = sample_rows(samples, rewards, ref_logprobs, self.samples_shown)
+        if self.trainer.is_global_zero:
+            line = phase_line(self.current_epoch + 1, self.args.total_phases, rewards.mean().item(), kl)
+            print(f"\n{line}\n{render_console_table(rows)}", flush=True)
+        experiment = getattr(self.logger, "experiment", None)
+        if hasattr(experiment, "add_text"):  # TensorBoard
+            experiment.add_text("rollout/samples", render_markdown_table(rows), self.global_step)
+
+    # ---- learning phase --------------------------------------------------------------------
+
+    def train_dataloader(self) -> DataLoader:
+        num_batches = self.args.num_minibatches * self.args.batches_per_learning_phase
+        dataset = ReplayDataset(lambda: self.memory, num_batches, lambda: self._shuffle_generator)
+        # batch_size=None: the dataset already yields whole minibatches. The DataLoader's own generator
+        # keeps iter() from drawing on the global RNG, which would differ in a resumed run.
+        return DataLoader(dataset, batch_size=None, generator=torch.Generator())
+
+    def training_step(self, minibatch: ReplayMinibatch, batch_idx: int) -> Tensor:
+        args = self.args
+        logits = get_logits(self.policy, minibatch.sample_ids, args.gen_len)  # (b, T + 1, V)
+        logprobs = get_logprobs(logits, minibatch.sample_ids, args.gen_len)  # (b, T)
+        surrogate = calc_clipped_surrogate_objective(logprobs, minibatch.logprobs, minibatch.advantages, args.clip_coef)
+        if self.uses_reference:
+            kl_penalty = calc_kl_penalty(logprobs, minibatch.ref_logprobs, args.kl_coef)
+        else:
+            kl_penalty = torch.zeros((), device=logprobs.device)
+        objective = surrogate - kl_penalty
+        stats = {
+            "train/objective": objective.detach(),
+            "train/clipped_surrogate": surrogate.detach(),
+            "train/kl_penalty": kl_penalty.detach(),
+            "train/clip_fraction": clip_fraction(logprobs, minibatch.logprobs, args.clip_coef),
+            "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
+        }
+        self.log_dict(stats, on_step=True, on_epoch=False, batch_size=len(minibatch.advantages))
+        # Returned as is, not negated: the optimizer is AdamW(maximize=True), as in the reference.
+        return objective
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        clip_val = self.args.max_grad_norm if gradient_clip_val is None else gradient_clip_val
+        self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm or "norm")
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        norms = grad_norm(self.policy, norm_type=2)
+        if "grad_2.0_norm_total" in norms:  # pre-clip total norm; per-parameter norms would flood the logs
+            self.log("train/grad_norm", norms["grad_2.0_norm_total"], on_step=True, on_epoch=False)
+
+    def configure_optimizers(self):
+        optimizer, scheduler = get_optimizer_and_scheduler(self.args, self.policy)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+
+    # ---- the end ---------------------------------------------------------------------------
+
+    def on_fit_end(self) -> None:
+        if self.export_dir is None or not self.trainer.is_global_zero:
+            return
+        out = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, self.export_dir)
+        self.policy.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        print(f"Saved the trained policy and tokenizer (Hugging Face format) to {out}", flush=True)
+
+
+def _drop_reference_keys(module, state_dict, prefix, local_metadata) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + REF_PREFIX)]:
+        del state_dict[key]
+
+
+def _forgive_missing_reference_keys(module, incompatible_keys) -> None:
+    missing = incompatible_keys.missing_keys
+    missing[:] = [k for k in missing if not k.startswith(REF_PREFIX)]
