@@ -50,36 +50,37 @@ class GRPO_Args:
         self.minibatch_size = self.batch_size // self.num_minibatches
 
 
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise GRPOConfigError(message)
+
+
 def validate_args(args: GRPO_Args) -> None:
-    """Raises GRPOConfigError, naming the setting, for the first setting that cannot work."""
-    checks = [
-        (args.batch_size >= 1, f"batch_size ({args.batch_size}) must be at least 1"),
-        (args.num_minibatches >= 1, f"num_minibatches ({args.num_minibatches}) must be at least 1"),
-        (
-            args.batch_size % args.num_minibatches == 0,
-            f"batch_size ({args.batch_size}) must be divisible by num_minibatches ({args.num_minibatches})",
-        ),
-        (
-            args.batches_per_learning_phase >= 1,
-            f"batches_per_learning_phase ({args.batches_per_learning_phase}) must be at least 1",
-        ),
-        (
-            args.total_phases > args.warmup_steps,
-            f"total_phases ({args.total_phases}) must be greater than warmup_steps ({args.warmup_steps})",
-        ),
-        (args.warmup_steps >= 0, f"warmup_steps ({args.warmup_steps}) must be >= 0"),
-        (args.gen_len >= 1, f"gen_len ({args.gen_len}) must be at least 1"),
-        (args.temperature > 0, f"temperature ({args.temperature}) must be > 0"),
-        (0 < args.clip_coef < 1, f"clip_coef ({args.clip_coef}) must lie strictly between 0 and 1"),
-        (args.kl_coef >= 0, f"kl_coef ({args.kl_coef}) must be >= 0"),
-        (args.lr > 0, f"lr ({args.lr}) must be > 0"),
-        (args.max_grad_norm > 0, f"max_grad_norm ({args.max_grad_norm}) must be > 0"),
-        (0 <= args.final_scale, f"final_scale ({args.final_scale}) must be >= 0"),
-        (
-            isinstance(args.prompt, str) and args.prompt.strip() != "",
-            "prompt must be a non-empty string (it is what every completion continues)",
-        ),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise GRPOConfigError(message)
+    """Raises GRPOConfigError, naming the setting, for the first setting that cannot work.
+    Checked in order, so that e.g. num_minibatches >= 1 holds before anything divides by it."""
+    _require(args.batch_size >= 1, f"batch_size ({args.batch_size}) must be at least 1")
+    _require(args.num_minibatches >= 1, f"num_minibatches ({args.num_minibatches}) must be at least 1")
+    _require(
+        args.batch_size % args.num_minibatches == 0,
+        f"batch_size ({args.batch_size}) must be divisible by num_minibatches ({args.num_minibatches})",
+    )
+    _require(
+        args.batches_per_learning_phase >= 1,
+        f"batches_per_learning_phase ({args.batches_per_learning_phase}) must be at least 1",
+    )
+    _require(args.warmup_steps >= 0, f"warmup_steps ({args.warmup_steps}) must be >= 0")
+    _require(
+        args.total_phases > args.warmup_steps,
+        f"total_phases ({args.total_phases}) must be greater than warmup_steps ({args.warmup_steps})",
+    )
+    _require(args.gen_len >= 1, f"gen_len ({args.gen_len}) must be at least 1")
+    _require(args.temperature > 0, f"temperature ({args.temperature}) must be > 0")
+    _require(0 < args.clip_coef < 1, f"clip_coef ({args.clip_coef}) must lie strictly between 0 and 1")
+    _require(args.kl_coef >= 0, f"kl_coef ({args.kl_coef}) must be >= 0")
+    _require(args.lr > 0, f"lr ({args.lr}) must be > 0")
+    _require(args.max_grad_norm > 0, f"max_grad_norm ({args.max_grad_norm}) must be > 0")
+    _require(args.final_scale >= 0, f"final_scale ({args.final_scale}) must be >= 0")
+    _require(
+        isinstance(args.prompt, str) and args.prompt.strip() != "",
+        "prompt must be a non-empty string (it is what every completion continues)",
+    )

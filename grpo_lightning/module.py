@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from typing import Callable
 
 import lightning as L
@@ -21,7 +22,8 @@ from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from rewards import CharCount
+from rewards import CharCount, Reward
+from rewards.base import describe_reward
 
 from .config import GRPO_Args, GRPOConfigError
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
@@ -45,6 +47,13 @@ log = logging.getLogger(__name__)
 
 REF_PREFIX = "ref_model."
 
+# Intentional, explained choices that Lightning warns about on every run:
+# - the models stay in eval mode while training (no dropout; see on_train_epoch_start);
+# - the replay dataset is an IterableDataset with a __len__ (the fixed number of minibatches per phase).
+warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
+warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
+warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+
 
 def phase_seed(seed: int, phase: int, rank: int) -> int:
     """A distinct, reproducible seed per (run seed, phase, process): a resumed run samples exactly
@@ -55,7 +64,7 @@ def phase_seed(seed: int, phase: int, rank: int) -> int:
 class GRPOModule(L.LightningModule):
     def __init__(
         self,
-        reward: Callable[[list[str]], Tensor] = CharCount("."),
+        reward: Reward | Callable[[list[str]], Tensor] = CharCount("."),
         model_name_or_path: str | None = None,
         prompt: str = "This is",
         start_token: str | None = None,
@@ -114,7 +123,9 @@ class GRPOModule(L.LightningModule):
         self.start_token = start_token
         self.samples_shown = samples_shown
         self.export_dir = export_dir
-        self.save_hyperparameters(ignore=["reward"])
+        self.save_hyperparameters()
+        if not isinstance(self.hparams.reward, dict):  # built in Python, not by the CLI (which stores its config)
+            self.hparams.reward = describe_reward(reward)
 
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None

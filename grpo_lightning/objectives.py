@@ -26,7 +26,10 @@ def compute_grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     Returns (B,).
     """
     rewards = rewards.float()
-    if rewards.numel() < 2:  # std of one sample is undefined: no signal, so no advantage
+    # One sample, or all equal: no signal. Tested explicitly because in float32 the mean of equal
+    # values can be one rounding step off them, and (r - mean) / (std + eps) would then be a
+    # same-signed ~0.05 for every sample instead of 0.
+    if rewards.numel() < 2 or bool((rewards == rewards[0]).all()):
         return torch.zeros_like(rewards)
     return (rewards - rewards.mean()) / (rewards.std() + eps)
 

@@ -7,6 +7,8 @@ tokens (no early stop at end-of-text), which keeps the batch rectangular and unp
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -39,6 +41,13 @@ def encode_prompt(tokenizer, prompt: str, start_token: str | None = None) -> Ten
     return tokenizer(start_token + prompt, return_tensors="pt", add_special_tokens=False).input_ids
 
 
+def _cache_argument(model: torch.nn.Module) -> str:
+    """Name of the KV-cache argument of ``model.forward``: ``cache`` in recent transformers,
+    ``past_key_values`` before (the old name still works there, with a deprecation warning)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # see through peft wrappers
+    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
 @torch.no_grad()
 def sample_completions(model: torch.nn.Module, prompt_ids: Tensor, gen_len: int, temperature: float = 1.0) -> Tensor:
     """Samples ``gen_len`` tokens after each row of ``prompt_ids`` (B, P); returns (B, P + T).
@@ -47,6 +56,7 @@ def sample_completions(model: torch.nn.Module, prompt_ids: Tensor, gen_len: int,
     ``softmax(logits / temperature)`` over the full vocabulary. The attention mask is all ones
     (there is no padding), so the context sampled from is the one log-probabilities are taken on.
     """
+    cache_arg = _cache_argument(model)
     sample_ids = prompt_ids
     outputs = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
     for step in range(gen_len):
@@ -54,7 +64,8 @@ def sample_completions(model: torch.nn.Module, prompt_ids: Tensor, gen_len: int,
         next_ids = torch.multinomial(logits.softmax(dim=-1), num_samples=1)  # (B, 1)
         sample_ids = torch.cat([sample_ids, next_ids], dim=1)
         if step + 1 < gen_len:
-            outputs = model(input_ids=next_ids, past_key_values=outputs.past_key_values, use_cache=True)
+            cache = getattr(outputs, cache_arg)
+            outputs = model(input_ids=next_ids, use_cache=True, **{cache_arg: cache})
     return sample_ids
 
 

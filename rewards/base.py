@@ -35,3 +35,16 @@ def reward_name(reward) -> str:
 
 def as_reward_tensor(values: list[float]) -> Tensor:
     return torch.tensor(values, dtype=torch.float32)
+
+
+def describe_reward(reward) -> dict | str:
+    """A plain-data description of a reward for hyperparameters and checkpoints (which must hold no
+    pickled objects to stay loadable with ``weights_only``): ``class_path``/``init_args`` for a
+    ``Reward`` whose attributes are plain values, the import path for a function, else its repr."""
+    plain = (str, int, float, bool, type(None))
+    cls = type(reward)
+    if isinstance(reward, Reward) and all(isinstance(v, plain) for v in vars(reward).values()):
+        return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": dict(vars(reward))}
+    if callable(reward) and hasattr(reward, "__module__") and hasattr(reward, "__qualname__"):
+        return f"{reward.__module__}.{reward.__qualname__}"
+    return repr(reward)

@@ -1,0 +1,60 @@
+"""Shared fixtures: a tiny Llama and its tokenizer, built here and saved to disk, so that tests use the
+real loading path (``from_pretrained`` on a local directory) without any download."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+CORPUS = [
+    "This is a test. This is only a test.",
+    "The cat sat on the mat. It was happy...",
+    "Dr. Smith went to Washington, D.C. in 2019.",
+    "I thought this movie was great, truly great!",
+    "Periods end sentences. Commas pause them, and so on.",
+]
+
+
+def build_tokenizer():
+    """A small byte-level BPE tokenizer with GPT-2's start-of-document token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    core.train_from_iterator(CORPUS, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+
+
+def build_tiny_llama(vocab_size: int, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A saved tiny Llama + tokenizer directory, loadable with from_pretrained."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = build_tokenizer()
+    build_tiny_llama(len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
