@@ -28,7 +28,7 @@ TRAINER_DEFAULTS = {
     "num_sanity_val_steps": 0,
     # A checkpoint at the end of every phase (last.ckpt), never mid-phase: a mid-phase checkpoint
     # would resume with an empty replay memory.
-    "callbacks": [ModelCheckpoint(save_last=True, save_top_k=0, every_n_epochs=1, save_on_train_epoch_end=True)],
+    "callbacks": [ModelCheckpoint(save_last="link", save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True)],
 }
 
 
