@@ -32,15 +32,21 @@ TRAINER_DEFAULTS = {
 }
 
 
+def make_cli(args=None, run: bool = True) -> GRPOLightningCLI:
+    """The project's LightningCLI; ``run=False`` parses and instantiates without fitting."""
+    return GRPOLightningCLI(
+        GRPOModule,
+        trainer_defaults=TRAINER_DEFAULTS,
+        seed_everything_default=False,  # sampling is seeded per phase from model.seed
+        parser_kwargs={"exit_on_error": False},
+        args=args,
+        run=run,
+    )
+
+
 def main(args=None) -> None:
     try:
-        GRPOLightningCLI(
-            GRPOModule,
-            trainer_defaults=TRAINER_DEFAULTS,
-            seed_everything_default=False,  # sampling is seeded per phase from model.seed
-            parser_kwargs={"exit_on_error": False},
-            args=args,
-        )
+        make_cli(args)
     except (GRPOError, ArgumentError) as error:
         print(f"error: {_one_line(error)}", file=sys.stderr)
         sys.exit(2 if isinstance(error, ArgumentError) else 1)

@@ -124,7 +124,8 @@ def _load_error(name_or_path: str, error: Exception) -> ModelLoadError:
     return ModelLoadError(
         f"could not load model '{name_or_path}' ({where}): {type(error).__name__}: {str(error).splitlines()[0]}. "
         f"Offline, a hub id cannot be fetched: download the model elsewhere and pass its local directory as "
-        f"model_name_or_path, or leave model_name_or_path unset to use the embedded {EMBEDDED_MODEL_NAME}"
+        f"model_name_or_path, or leave model_name_or_path unset to use the embedded {EMBEDDED_MODEL_NAME} "
+        "(HF_HUB_OFFLINE=1 skips the connection retries)"
     )
 
 

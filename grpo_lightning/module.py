@@ -64,7 +64,7 @@ def phase_seed(seed: int, phase: int, rank: int) -> int:
 class GRPOModule(L.LightningModule):
     def __init__(
         self,
-        reward: Reward | Callable[[list[str]], Tensor] = CharCount("."),
+        reward: Reward | Callable[[list[str]], Tensor] | None = None,
         model_name_or_path: str | None = None,
         prompt: str = "This is",
         start_token: str | None = None,
@@ -87,7 +87,8 @@ class GRPOModule(L.LightningModule):
         """
         Args:
             reward: maps samples (prompt + completion strings) to a float tensor (B,). In YAML, a
-                ``class_path``/``init_args`` block, e.g. ``rewards.CharCount``.
+                ``class_path``/``init_args`` block, e.g. ``rewards.CharCount``; null (the default) is
+                the reference's period count, ``rewards.CharCount`` with char ".".
             model_name_or_path: Hugging Face hub id or local directory of a causal LM; unset (null)
                 uses the embedded SmolLM2-135M-Instruct.
             prompt: the text every completion continues (one prompt, so the whole batch is one group).
@@ -112,6 +113,8 @@ class GRPOModule(L.LightningModule):
         """
         super().__init__()
         check_model_name(model_name_or_path)
+        if reward is None:
+            reward = CharCount(".")
         self.args = GRPO_Args(
             seed=seed, total_phases=total_phases, prompt=prompt, batch_size=batch_size,
             num_minibatches=num_minibatches, batches_per_learning_phase=batches_per_learning_phase,

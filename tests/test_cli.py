@@ -1,0 +1,95 @@
+"""The command line: one-line errors before any model loads, the experiment configs, a tiny real fit."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+
+from grpo_lightning import cli, module
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = sorted(glob.glob(os.path.join(REPO, "experiments", "*.yaml")))
+
+
+@pytest.fixture(autouse=True)
+def plain_argv(monkeypatch):
+    """LightningCLI warns when given both ``args`` and a non-empty sys.argv (pytest's own flags)."""
+    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded although the settings are invalid")
+
+    monkeypatch.setattr(module, "load_causal_lm", refuse)
+    monkeypatch.setattr(module, "load_tokenizer", refuse)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model.batch_size", "6", "--model.num_minibatches", "4"], "batch_size (6) must be divisible by num_minibatches (4)"),
+        (["--model.total_phases", "5", "--model.warmup_steps", "5"], "total_phases (5) must be greater than warmup_steps (5)"),
+        (["--model.gen_len", "0"], "gen_len (0) must be at least 1"),
+        (["--model.temperature", "0"], "temperature (0.0) must be > 0"),
+        (["--model.clip_coef", "1.0"], "clip_coef (1.0) must lie strictly between 0 and 1"),
+        (["--model.kl_coef", "-0.1"], "kl_coef (-0.1) must be >= 0"),
+        (["--model.prompt", " "], "prompt must be a non-empty string"),
+        (["--model.model_name_or_path", "./no/such/model"], "no model directory at './no/such/model'"),
+    ],
+)
+def test_bad_settings_stop_with_one_line_before_any_model_loads(flags, message, capsys, no_model_loading, tmp_path):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", *flags, "--trainer.default_root_dir", str(tmp_path)])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+    assert not [line for line in err if "Traceback" in line]
+
+
+def test_unknown_option_is_one_line_too(capsys, no_model_loading):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["fit", "--model.batch_szie", "3"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == "error: unrecognized arguments: --model.batch_szie 3"
+
+
+@pytest.mark.parametrize("config", EXPERIMENTS, ids=os.path.basename)
+def test_every_experiment_config_parses_and_instantiates(config, no_model_loading, tmp_path):
+    app = cli.make_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path)], run=False)
+    args = app.model.args
+    assert app.trainer.max_epochs == args.total_phases  # one epoch per phase, linked
+    assert app.trainer.gradient_clip_val == args.max_grad_norm
+    assert callable(app.model.reward)
+
+
+def test_experiments_exist():
+    names = {os.path.basename(p) for p in EXPERIMENTS}
+    assert {"quickstart.yaml", "smoke_kl0.yaml", "periods_kl025.yaml"} <= names
+
+
+def test_fit_from_the_command_line_writes_logs_checkpoint_and_export(tiny_model_dir, tmp_path, capsys):
+    cli.main([
+        "fit", "--model.model_name_or_path", tiny_model_dir, "--model.total_phases", "2", "--model.warmup_steps", "0",
+        "--model.batch_size", "4", "--model.num_minibatches", "2", "--model.gen_len", "4",
+        "--model.reward", "rewards.CharCount", "--model.reward.char", " ",
+        "--trainer.default_root_dir", str(tmp_path), "--trainer.enable_progress_bar", "false",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "Phase 001/002, Mean reward:" in out and "Phase 002/002, Mean reward:" in out
+    run_dir = tmp_path / "lightning_logs" / "version_0"
+    assert (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert list(run_dir.glob("events.out.tfevents.*"))
+    assert (run_dir / "hf_model" / "config.json").exists() and (run_dir / "hf_model" / "tokenizer.json").exists()
+
+
+def test_python_dash_m_and_console_script_start_the_cli():
+    for command in ([sys.executable, "-m", "grpo_lightning", "fit", "--help"], ["grpo-lightning", "fit", "--help"]):
+        result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "--model.kl_coef" in result.stdout and "--model.reward" in result.stdout
