@@ -87,9 +87,22 @@ def test_fit_from_the_command_line_writes_logs_checkpoint_and_export(tiny_model_
     assert list(run_dir.glob("events.out.tfevents.*"))
     assert (run_dir / "hf_model" / "config.json").exists() and (run_dir / "hf_model" / "tokenizer.json").exists()
 
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    per_phase = {"rollout/reward_mean", "rollout/reward_std", "rollout/reward_min", "rollout/reward_max", "rollout/kl"}
+    per_step = {"train/objective", "train/clipped_surrogate", "train/kl_penalty", "train/clip_fraction", "train/lr", "train/grad_norm"}
+    assert per_phase | per_step <= scalars
+    assert [len(events.Scalars(tag)) for tag in sorted(per_phase)] == [2] * len(per_phase)
+    assert [len(events.Scalars(tag)) for tag in sorted(per_step)] == [4] * len(per_step)  # 2 phases x 2 steps
+    assert "rollout/samples/text_summary" in events.Tags()["tensors"]
+
 
 def test_python_dash_m_and_console_script_start_the_cli():
-    for command in ([sys.executable, "-m", "grpo_lightning", "fit", "--help"], ["grpo-lightning", "fit", "--help"]):
+    console_script = os.path.join(os.path.dirname(sys.executable), "grpo-lightning")  # installed beside python
+    for command in ([sys.executable, "-m", "grpo_lightning", "fit", "--help"], [console_script, "fit", "--help"]):
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "--model.kl_coef" in result.stdout and "--model.reward" in result.stdout
