@@ -96,7 +96,7 @@ def test_fit_from_the_command_line_writes_logs_checkpoint_and_export(tiny_model_
     per_step = {"train/objective", "train/clipped_surrogate", "train/kl_penalty", "train/clip_fraction", "train/lr", "train/grad_norm"}
     assert per_phase | per_step <= scalars
     assert [len(events.Scalars(tag)) for tag in sorted(per_phase)] == [2] * len(per_phase)
-    assert [len(events.Scalars(tag)) for tag in sorted(per_step)] == [4] * len(per_step)  # 2 phases x 2 steps
+    assert [len(events.Scalars(tag)) for tag in sorted(per_step)] == [8] * len(per_step)  # 2 phases x 2 minibatches x 2 passes
     assert "rollout/samples/text_summary" in events.Tags()["tensors"]
 
 
