@@ -11,6 +11,9 @@ Lightning does backward, gradient clipping, precision, devices, checkpoints and 
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import dataclasses
 import logging
 import os
 import warnings
@@ -26,6 +29,7 @@ from rewards import CharCount, Reward
 from rewards.base import describe_reward
 
 from .config import GRPO_Args, GRPOConfigError
+from .lora import LoraSettings, apply_lora
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
 from .models import check_model_name, load_causal_lm, load_tokenizer
 from .objectives import (
@@ -45,7 +49,9 @@ from .sampling import get_samples
 
 log = logging.getLogger(__name__)
 
-REF_PREFIX = "ref_model."
+# Submodules that never train: kept out of checkpoints (and forgiven when loading), together with
+# every other parameter that does not require grad (the frozen base weights under LoRA).
+FROZEN_PREFIXES = ("ref_model.", "reward.")
 
 # Intentional, explained choices that Lightning warns about on every run:
 # - the models stay in eval mode while training (no dropout; see on_train_epoch_start);
@@ -83,6 +89,7 @@ class GRPOModule(L.LightningModule):
         seed: int = 1,
         samples_shown: int = 3,
         export_dir: str | None = "hf_model",
+        lora: bool | LoraSettings = False,
     ):
         """
         Args:
@@ -109,12 +116,18 @@ class GRPOModule(L.LightningModule):
             seed: seed of sampling and minibatch shuffling (per phase, so resumed runs match).
             samples_shown: samples printed and logged per phase.
             export_dir: where, inside the run's log directory, the trained policy and tokenizer are
-                saved in Hugging Face format at the end of training; null to skip.
+                saved in Hugging Face format at the end of training; null to skip. With LoRA, the
+                adapter is saved (peft format) in ``<export_dir>/adapter``, and the merged model in
+                ``<export_dir>`` only if ``lora.merge_on_export``.
+            lora: true (default settings) or a block of LoraSettings to train LoRA adapters instead
+                of the whole policy; the reference policy is then the policy with adapters disabled.
         """
         super().__init__()
         check_model_name(model_name_or_path)
         if reward is None:
             reward = CharCount(".")
+        if isinstance(reward, torch.nn.Module):  # a reward model: a child, so Lightning places it; never trained
+            reward.requires_grad_(False).eval()
         self.args = GRPO_Args(
             seed=seed, total_phases=total_phases, prompt=prompt, batch_size=batch_size,
             num_minibatches=num_minibatches, batches_per_learning_phase=batches_per_learning_phase,
@@ -126,9 +139,15 @@ class GRPOModule(L.LightningModule):
         self.start_token = start_token
         self.samples_shown = samples_shown
         self.export_dir = export_dir
+        if isinstance(lora, dict):  # as stored in a checkpoint's hyperparameters
+            lora = LoraSettings(**lora)
+        self.lora: LoraSettings | None = LoraSettings() if lora is True else (lora or None)
         self.save_hyperparameters()
+        # Checkpoints must hold plain data only, to stay loadable with torch.load(weights_only=True).
         if not isinstance(self.hparams.reward, dict):  # built in Python, not by the CLI (which stores its config)
             self.hparams.reward = describe_reward(reward)
+        if isinstance(self.hparams.lora, LoraSettings):
+            self.hparams.lora = dataclasses.asdict(self.hparams.lora)
 
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
@@ -136,10 +155,10 @@ class GRPOModule(L.LightningModule):
         self.memory: ReplayMemory | None = None
         self._shuffle_generator: torch.Generator | None = None
 
-        # The frozen reference never changes: keep it out of checkpoints, and forgive exactly its
-        # keys when loading, so that loading stays strict for everything else.
-        self.register_state_dict_post_hook(_drop_reference_keys)
-        self.register_load_state_dict_post_hook(_forgive_missing_reference_keys)
+        # The frozen reference and reward models never change: keep them out of checkpoints, and
+        # forgive exactly their keys when loading, so that loading stays strict for everything else.
+        self.register_state_dict_post_hook(_drop_frozen_keys)
+        self.register_load_state_dict_post_hook(_forgive_missing_frozen_keys)
 
     # ---- models ----------------------------------------------------------------------------
 
@@ -153,15 +172,20 @@ class GRPOModule(L.LightningModule):
             return
         self.tokenizer = load_tokenizer(self.args.base_model)
         self.policy = load_causal_lm(self.args.base_model)
-        if self.uses_reference:
+        if self.lora is not None:
+            self.policy = apply_lora(self.policy, self.lora)  # the reference = adapters disabled, no copy
+        elif self.uses_reference:
             self.ref_model = load_causal_lm(self.args.base_model).requires_grad_(False)
 
     def get_ref_logprobs(self, sample_ids: Tensor) -> Tensor | None:
         """(B, T) log-probabilities under the reference policy; None when there is none (kl_coef=0).
-        Kept behind a method so that LoRA can answer with the adapters switched off."""
-        if self.ref_model is None:
+        With LoRA, the reference is the policy with its adapters switched off."""
+        if not self.uses_reference:
             return None
-        return get_logprobs_batched(self.ref_model, sample_ids, self.args.gen_len, self.args.minibatch_size)
+        reference = self.ref_model if self.lora is None else self.policy
+        context = self.policy.disable_adapter() if self.lora is not None else contextlib.nullcontext()
+        with context:
+            return get_logprobs_batched(reference, sample_ids, self.args.gen_len, self.args.minibatch_size)
 
     # ---- rollout phase ---------------------------------------------------------------------
 
@@ -209,6 +233,8 @@ class GRPOModule(L.LightningModule):
         }
         if kl is not None:
             metrics["rollout/kl"] = torch.tensor(kl)
+        for name, values in getattr(self.reward, "last_components", {}).items():  # e.g. WeightedSum's terms
+            metrics[f"rollout/reward_components/{name}"] = values.float().mean()
         self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(samples))
 
         rows = sample_rows(samples, rewards, ref_logprobs, self.samples_shown)
@@ -268,16 +294,35 @@ class GRPOModule(L.LightningModule):
         if self.export_dir is None or not self.trainer.is_global_zero:
             return
         out = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, self.export_dir)
-        self.policy.save_pretrained(out)
+        if self.lora is not None:
+            self.policy.save_pretrained(os.path.join(out, "adapter"))  # adapter weights only, peft format
+            self.tokenizer.save_pretrained(os.path.join(out, "adapter"))
+            print(f"Saved the LoRA adapter (peft format) to {out}/adapter", flush=True)
+            if not self.lora.merge_on_export:
+                return
+            copy.deepcopy(self.policy).merge_and_unload().save_pretrained(out)
+        else:
+            self.policy.save_pretrained(out)
         self.tokenizer.save_pretrained(out)
         print(f"Saved the trained policy and tokenizer (Hugging Face format) to {out}", flush=True)
 
 
-def _drop_reference_keys(module, state_dict, prefix, local_metadata) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix + REF_PREFIX)]:
+def _is_frozen_key(key: str, frozen_parameters: set[str]) -> bool:
+    return key.startswith(FROZEN_PREFIXES) or key in frozen_parameters
+
+
+def _frozen_parameter_names(module: torch.nn.Module) -> set[str]:
+    # remove_duplicate=False: a tied weight (lm_head = embeddings) has a state-dict key under each name.
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _drop_frozen_keys(module, state_dict, prefix, local_metadata) -> None:
+    frozen = _frozen_parameter_names(module)
+    for key in [k for k in state_dict if _is_frozen_key(k[len(prefix) :], frozen)]:
         del state_dict[key]
 
 
-def _forgive_missing_reference_keys(module, incompatible_keys) -> None:
+def _forgive_missing_frozen_keys(module, incompatible_keys) -> None:
+    frozen = _frozen_parameter_names(module)
     missing = incompatible_keys.missing_keys
-    missing[:] = [k for k in missing if not k.startswith(REF_PREFIX)]
+    missing[:] = [k for k in missing if not _is_frozen_key(k, frozen)]

@@ -14,8 +14,17 @@ from rewards import CharCount
 PHASE = dict(batch_size=4, num_minibatches=2, batches_per_learning_phase=2, gen_len=4)  # 4 steps per phase
 
 
+def completion_length(samples: list[str]) -> torch.Tensor:
+    """A plain-function reward that varies across the tiny model's samples (which rarely hold a period),
+    so that advantages, and hence gradients, are non-zero."""
+    return torch.tensor([float(len(s)) for s in samples])
+
+
 def make_module(model_dir: str, **overrides) -> GRPOModule:
-    settings = dict(model_name_or_path=model_dir, total_phases=2, warmup_steps=0, lr=1e-2, kl_coef=0.3, **PHASE)
+    settings = dict(
+        model_name_or_path=model_dir, reward=completion_length, total_phases=2, warmup_steps=0, lr=1e-2, kl_coef=0.3,
+        **PHASE,
+    )  # fmt: skip
     settings.update(overrides)
     return GRPOModule(**settings)
 
@@ -44,6 +53,11 @@ class StepRecorder(L.Callback):
     def __init__(self):
         self.steps_at_phase_end: list[int] = []
         self.modes: list[tuple[bool, bool]] = []
+        self.grad_norms: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        grads = [p.grad for p in module.policy.parameters() if p.grad is not None]
+        self.grad_norms.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
     def on_train_batch_start(self, trainer, module, batch, batch_idx):
         ref_training = module.ref_model.training if module.ref_model is not None else False
@@ -71,8 +85,11 @@ def test_two_phase_fit_steps_in_every_phase_and_changes_only_the_policy(tiny_mod
     assert recorder.steps_at_phase_end == [4, 8]
     # Both models stayed in eval mode (no dropout) at every step.
     assert recorder.modes == [(False, False)] * 8
+    # Every step had a real gradient (not only AdamW's weight decay moving the weights) ...
+    assert len(recorder.grad_norms) == 8 and min(recorder.grad_norms) > 0
+    # ... and every policy tensor moved.
     changed = [k for k, v in module.policy.state_dict().items() if not torch.equal(v, policy_before[k])]
-    assert len(changed) == len(policy_before)  # every policy tensor moved (lr 1e-2)
+    assert len(changed) == len(policy_before)
     assert all(torch.equal(v, ref_before[k]) for k, v in module.ref_model.state_dict().items())
 
 
@@ -96,7 +113,7 @@ def test_first_minibatch_ratio_is_exactly_one_in_fp32(tiny_model_dir, tmp_path):
 
 
 def test_reference_model_is_out_of_checkpoint_and_optimizer_and_resume_is_strict(tiny_model_dir, tmp_path):
-    module = make_module(tiny_model_dir)
+    module = make_module(tiny_model_dir, reward=CharCount("."))
     trainer = make_trainer(tmp_path)
     trainer.fit(module)
 

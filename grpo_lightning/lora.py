@@ -1,0 +1,60 @@
+"""LoRA adapters on the policy (peft), so that only a few million parameters train.
+
+With adapters, the reference policy is the same network with its adapters switched off, so no
+second copy of the model is loaded (see ``GRPOModule.get_ref_logprobs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Every projection of attention and MLP: more capacity than peft's own defaults (q and v only),
+# at a still tiny parameter count.
+_TARGETS_BY_MODEL_TYPE = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "gpt2": ["c_attn", "c_proj", "c_fc"],
+}
+
+
+@dataclass
+class LoraSettings:
+    """LoRA adapters on the policy.
+
+    Args:
+        r: rank of each adapter.
+        alpha: scaling numerator; the adapter's output is scaled by alpha / r.
+        dropout: dropout on the adapter input. The policy runs in eval mode (so that log-probabilities
+            are deterministic), which switches dropout off; kept for completeness.
+        target_modules: names of the linear layers to adapt; null picks a default for Llama-style
+            and GPT-2-style models, else every linear layer but the output head.
+        merge_on_export: also save the base model with the adapters merged in, in Hugging Face format.
+    """
+
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: list[str] | None = None
+    merge_on_export: bool = False
+
+
+def default_target_modules(model: torch.nn.Module) -> list[str] | str:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    return _TARGETS_BY_MODEL_TYPE.get(model_type, "all-linear")
+
+
+def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
+    """Wraps ``model`` with fresh LoRA adapters; only the adapter weights require grad afterwards."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=settings.r,
+        lora_alpha=settings.alpha,
+        lora_dropout=settings.dropout,
+        target_modules=settings.target_modules or default_target_modules(model),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, config).eval()
