@@ -2,7 +2,7 @@
 
 Usage:
     python benchmarks/phase_time.py [--workload small|default|both] [--precision 32-true|bf16-mixed|both]
-                                    [--phases N] [--model PATH] [--out results.json]
+                                    [--finetune full|lora|both] [--phases N] [--model PATH] [--out results.json]
 
 What is measured
 ----------------
@@ -20,6 +20,11 @@ order, with a policy and a frozen reference model (kl_coef = 0.3), but without t
 
 Not included: Lightning's own per-step work (log_dict, the grad_norm and clip_fraction statistics, loop
 bookkeeping). It is small next to the forward and backward passes.
+
+Fine-tuning: "full" trains the whole policy next to a frozen reference copy; "lora" wraps the policy with
+LoRA adapters (LoraSettings() defaults) and takes reference log-probabilities from the same model with its
+adapters disabled, as the module does with ``lora: true``. "ckpt MiB" is the size of what a checkpoint
+holds: the trained weights (all, or the adapters only) and the optimizer state.
 
 Precision: "32-true" runs everything in fp32. "bf16-mixed" puts the rollout (generation and both log-prob
 passes) and every learning forward inside torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
@@ -100,6 +105,7 @@ from grpo_lightning import (
     load_causal_lm,
     load_tokenizer,
 )
+from grpo_lightning.lora import LoraSettings, apply_lora
 from grpo_lightning.module import phase_seed
 from grpo_lightning.sampling import encode_prompt
 from rewards import reward_fn_char_count
@@ -109,6 +115,7 @@ WORKLOADS = {
     "default": dict(batch_size=128, gen_len=30, num_minibatches=4, batches_per_learning_phase=2, prompt="This is"),
 }
 PRECISIONS = ("32-true", "bf16-mixed")
+FINETUNES = ("full", "lora")  # lora: LoraSettings() defaults, the reference = the policy with adapters disabled
 COMPUTE_DTYPE = {"32-true": "fp32", "bf16-mixed": "bf16"}  # the dtype each precision's matmuls run in
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 PARTS = ("generate", "old_lp", "ref_lp", "learn")
@@ -130,7 +137,7 @@ class Setup:
     precision: str
     tokenizer: object
     policy: torch.nn.Module
-    ref_model: torch.nn.Module
+    ref_model: torch.nn.Module | None  # None with LoRA
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
@@ -141,10 +148,13 @@ def make_args(workload: str, phases: int) -> GRPO_Args:
     return GRPO_Args(seed=SEED, total_phases=total_phases, **WORKLOADS[workload])
 
 
-def setup(workload: str, precision: str, phases: int, model: str | None) -> Setup:
+def setup(workload: str, precision: str, phases: int, model: str | None, finetune: str = "full") -> Setup:
     args = make_args(workload, phases)
     policy = load_causal_lm(model)
-    ref_model = load_causal_lm(model).requires_grad_(False)  # the module's frozen reference (kl_coef > 0)
+    if finetune == "lora":
+        policy, ref_model = apply_lora(policy, LoraSettings()), None  # one model in memory
+    else:
+        ref_model = load_causal_lm(model).requires_grad_(False)  # the module's frozen reference (kl_coef > 0)
     optimizer, scheduler = get_optimizer_and_scheduler(args, policy)
     return Setup(args, precision, load_tokenizer(model), policy, ref_model, optimizer, scheduler)
 
@@ -182,7 +192,11 @@ def run_phase(s: Setup, phase: int) -> dict[str, float]:
         with timed(times, "old_lp"):
             logprobs = get_logprobs_batched(s.policy, sample_ids, args.gen_len, args.minibatch_size)
         with timed(times, "ref_lp"):
-            ref_logprobs = get_logprobs_batched(s.ref_model, sample_ids, args.gen_len, args.minibatch_size)
+            if s.ref_model is None:  # LoRA: the reference is the policy without its adapters
+                with s.policy.disable_adapter():
+                    ref_logprobs = get_logprobs_batched(s.policy, sample_ids, args.gen_len, args.minibatch_size)
+            else:
+                ref_logprobs = get_logprobs_batched(s.ref_model, sample_ids, args.gen_len, args.minibatch_size)
     memory = ReplayMemory(args, sample_ids, logprobs, ref_logprobs, advantages)
 
     with timed(times, "learn"):
@@ -249,7 +263,7 @@ def forward_flops(dims: ModelDims, batch: int, new: int, cached: int, logit_posi
     return matmul + head + attention
 
 
-def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int) -> dict[str, int]:
+def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int, finetune: str = "full") -> dict[str, int]:
     batch, gen_len = args.batch_size, args.gen_len
     seq_len = prompt_len + gen_len
     generate = forward_flops(dims, batch, prompt_len, 0, 1) + sum(
@@ -257,7 +271,9 @@ def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int) -> dict[str, 
     )
     # Chunking into minibatches does not change the count: it is linear in the batch.
     logprobs = forward_flops(dims, batch, seq_len, 0, gen_len + 1)
-    learn = 3 * logprobs * args.batches_per_learning_phase  # every sequence once per pass, backward = 2x forward
+    # Every sequence once per pass; backward = 2x forward (activation and weight gradients), or 1x with
+    # LoRA, whose frozen base weights need no weight gradients (the adapters' own FLOPs are negligible).
+    learn = (3 if finetune == "full" else 2) * logprobs * args.batches_per_learning_phase
     return {"generate": generate, "old_lp": logprobs, "ref_lp": logprobs, "learn": learn}
 
 
@@ -324,14 +340,25 @@ def busy_machine_warning(sample_s: float = 1.0) -> str | None:
 # ---- one (workload, precision) measurement: runs in its own subprocess ----------------------------
 
 
-def measure(workload: str, precision: str, phases: int, model: str | None) -> dict:
+def checkpoint_mib(s: Setup) -> float:
+    """Size of what a Lightning checkpoint of this run holds: the trained weights (all of the policy, or
+    only the adapters with LoRA, whose frozen base the module keeps out) and the optimizer state."""
+    weights = {name: p for name, p in s.policy.named_parameters() if p.requires_grad}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "checkpoint.pt")
+        torch.save({"state_dict": weights, "optimizer": s.optimizer.state_dict()}, path)
+        return os.path.getsize(path) / 2**20
+
+
+def measure(workload: str, precision: str, phases: int, model: str | None, finetune: str = "full") -> dict:
     loadavg_start = os.getloadavg()[0]
     transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per model would clutter the report
-    s = setup(workload, precision, phases, model)
+    s = setup(workload, precision, phases, model, finetune)
     rss_after_load = peak_rss_mib()  # a baseline only: weights read lazily from disk count once they are touched
-    dims = model_dims(s.policy)
+    base = s.policy.get_base_model() if finetune == "lora" else s.policy
+    dims = model_dims(base)
     prompt_len = encode_prompt(s.tokenizer, s.args.prompt).shape[1]
-    flops = phase_flops(dims, s.args, prompt_len)
+    flops = phase_flops(dims, s.args, prompt_len, finetune)
 
     for phase in range(WARMUP_PHASES):
         run_phase(s, phase)
@@ -339,6 +366,7 @@ def measure(workload: str, precision: str, phases: int, model: str | None) -> di
     per_phase = [run_phase(s, WARMUP_PHASES + i) for i in range(phases)]
     cpu_util = (cpu_seconds() - cpu_start) / ((time.perf_counter() - wall_start) * torch.get_num_threads())
     peak_rss = peak_rss_mib()  # read before the peak GEMMs allocate their own buffers
+    checkpoint_size = checkpoint_mib(s)
 
     peaks = measure_peaks(dims, s.args, prompt_len)
     peak = peaks[COMPUTE_DTYPE[precision]]
@@ -347,6 +375,7 @@ def measure(workload: str, precision: str, phases: int, model: str | None) -> di
     return {
         "workload": workload,
         "precision": precision,
+        "finetune": finetune,
         "compute_dtype": COMPUTE_DTYPE[precision],
         "settings": WORKLOADS[workload],
         "prompt_tokens": prompt_len,
@@ -363,22 +392,25 @@ def measure(workload: str, precision: str, phases: int, model: str | None) -> di
         "fraction_of_peak": {part: g / peak for part, g in gflops.items()},
         "matmul_peak_gflops_per_s": peaks,
         "peak_rss_mib": peak_rss,
+        "checkpoint_mib": checkpoint_size,
         "rss_after_load_mib": rss_after_load,
         "cpu_util": cpu_util,
     }
 
 
-def measure_in_subprocess(workload: str, precision: str, opts: argparse.Namespace) -> dict:
-    """Re-runs this script on one (workload, precision), so that ru_maxrss is that run's alone."""
+def measure_in_subprocess(workload: str, precision: str, finetune: str, opts: argparse.Namespace) -> dict:
+    """Re-runs this script on one (workload, precision, finetune), so that ru_maxrss is that run's alone."""
     with tempfile.TemporaryDirectory() as tmp:
         result_path = os.path.join(tmp, "result.json")
         command = [sys.executable, os.path.abspath(__file__), "--workload", workload, "--precision", precision,
-                   "--phases", str(opts.phases), "--child-result", result_path]  # fmt: skip
+                   "--finetune", finetune, "--phases", str(opts.phases), "--child-result", result_path]  # fmt: skip
         if opts.model is not None:
             command += ["--model", opts.model]
         completed = subprocess.run(command)
         if completed.returncode != 0:
-            raise SystemExit(f"error: the {workload}/{precision} measurement failed (exit code {completed.returncode})")
+            raise SystemExit(
+                f"error: the {workload}/{precision}/{finetune} measurement failed (exit code {completed.returncode})"
+            )
         with open(result_path) as f:
             return json.load(f)
 
@@ -397,30 +429,31 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
 
 
 def timing_table(results: list[dict]) -> str:
-    headers = ["workload", "precision", "generate s", "old-lp s", "ref-lp s", "learn s", "total s",
-               "gen tok/s", "learn GFLOP/s", "% peak", "peak RSS MiB", "cpu %"]  # fmt: skip
+    headers = ["workload", "precision", "finetune", "generate s", "old-lp s", "ref-lp s", "learn s", "total s",
+               "gen tok/s", "learn GFLOP/s", "% peak", "peak RSS MiB", "ckpt MiB", "cpu %"]  # fmt: skip
     rows = []
     for r in results:
         t = r["mean_s"]
         rows.append([
-            r["workload"], r["precision"],
+            r["workload"], r["precision"], r["finetune"],
             *(f"{t[key]:.2f}" for key in (*PARTS, "total")),
             f"{r['generated_tokens_per_s']:.0f}",
             f"{r['gflops_per_s']['learn']:.1f}",
             f"{100 * r['fraction_of_peak']['learn']:.1f}",
             f"{r['peak_rss_mib']:.0f}",
+            f"{r['checkpoint_mib']:.1f}",
             f"{100 * r['cpu_util']:.0f}",
         ])  # fmt: skip
     return format_table(headers, rows)
 
 
 def throughput_table(results: list[dict]) -> str:
-    headers = ["workload", "precision", "dtype", *(p.replace("_", "-") for p in PARTS), "peak fp32", "peak bf16"]
+    headers = ["workload", "precision", "finetune", "dtype", *(p.replace("_", "-") for p in PARTS), "peak fp32", "peak bf16"]
     rows = []
     for r in results:
         peaks = r["matmul_peak_gflops_per_s"]
         rows.append([
-            r["workload"], r["precision"], r["compute_dtype"],
+            r["workload"], r["precision"], r["finetune"], r["compute_dtype"],
             *(f"{r['gflops_per_s'][p]:.1f} ({100 * r['fraction_of_peak'][p]:.1f}%)" for p in PARTS),
             f"{peaks['fp32']:.0f}", f"{peaks['bf16']:.0f}",
         ])  # fmt: skip
@@ -468,6 +501,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workload", choices=[*WORKLOADS, "both"], default="both")
     parser.add_argument("--precision", choices=[*PRECISIONS, "both"], default="both")
+    parser.add_argument("--finetune", choices=[*FINETUNES, "both"], default="full", help="full, lora, or both (default full)")
     parser.add_argument("--phases", type=int, default=2, help="measured phases per run, after one warm-up (default 2)")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", default=None, help="also write the results as JSON to this file")
@@ -476,15 +510,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts = parser.parse_args(argv)
     if opts.phases < 1:
         parser.error("--phases must be at least 1")
-    if opts.child_result and "both" in (opts.workload, opts.precision):
-        parser.error("--child-result measures exactly one workload and one precision")
+    if opts.child_result and "both" in (opts.workload, opts.precision, opts.finetune):
+        parser.error("--child-result measures exactly one workload, one precision and one finetune mode")
     return opts
 
 
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
     if opts.child_result:
-        result = measure(opts.workload, opts.precision, opts.phases, opts.model)
+        result = measure(opts.workload, opts.precision, opts.phases, opts.model, opts.finetune)
         with open(opts.child_result, "w") as f:
             json.dump(result, f)
         return
@@ -494,11 +528,13 @@ def main(argv: list[str] | None = None) -> None:
         print(warning, file=sys.stderr, flush=True)
     workloads = list(WORKLOADS) if opts.workload == "both" else [opts.workload]
     precisions = list(PRECISIONS) if opts.precision == "both" else [opts.precision]
+    finetunes = list(FINETUNES) if opts.finetune == "both" else [opts.finetune]
     results = []
     for workload in workloads:
         for precision in precisions:
-            print(f"measuring {workload} / {precision} ...", file=sys.stderr, flush=True)
-            results.append(measure_in_subprocess(workload, precision, opts))
+            for finetune in finetunes:
+                print(f"measuring {workload} / {precision} / {finetune} ...", file=sys.stderr, flush=True)
+                results.append(measure_in_subprocess(workload, precision, finetune, opts))
 
     print(report(results, opts.phases, warning))
     if opts.out:
