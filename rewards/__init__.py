@@ -1,6 +1,23 @@
-"""Rewards: callables mapping samples (prompt + completion strings) to a float tensor (B,)."""
+"""Rewards: callables mapping samples (prompt + completion strings) to a float tensor (B,).
 
-from .base import Reward, reward_name
-from .char_count import CharCount, reward_fn_char_count
+Subclass ``Reward`` (or ``RewardModule`` for a reward holding a network) and implement ``score``;
+any plain function ``reward_fn(samples) -> Tensor`` works too. Built in:
 
-__all__ = ["Reward", "CharCount", "reward_fn_char_count", "reward_name"]
+* ``CharCount`` (the reference's period count), ``CharTokenCount`` (tokens containing the
+  character) and ``CharFrequency`` (count per character of the sample), the last two resisting
+  the multi-period-token hack;
+* ``SentimentClassifier`` (any Hugging Face sequence classifier) and ``VaderSentiment`` (offline);
+* ``WeightedSum`` of rewards.
+"""
+
+from .base import Reward, RewardModule, describe_reward, prepare_reward, reward_name
+from .char_count import CharCount, CharFrequency, reward_fn_char_count
+from .char_tokens import CharTokenCount
+from .sentiment import SentimentClassifier
+from .vader import VaderSentiment
+from .weighted_sum import WeightedSum
+
+__all__ = [
+    "Reward", "RewardModule", "CharCount", "CharTokenCount", "CharFrequency", "SentimentClassifier",
+    "VaderSentiment", "WeightedSum", "reward_fn_char_count", "reward_name", "describe_reward", "prepare_reward",
+]  # fmt: skip
