@@ -22,21 +22,23 @@ class GRPOLightningCLI(LightningCLI):
         parser.link_arguments("model.max_grad_norm", "trainer.gradient_clip_val")
 
 
-TRAINER_DEFAULTS = {
-    "default_root_dir": "runs",
-    "log_every_n_steps": 1,  # a phase has only a handful of steps
-    "num_sanity_val_steps": 0,
-    # A checkpoint at the end of every phase (last.ckpt), never mid-phase: a mid-phase checkpoint
-    # would resume with an empty replay memory.
-    "callbacks": [ModelCheckpoint(save_last="link", save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True)],
-}
+def trainer_defaults() -> dict:
+    """Fresh per run: a callback instance keeps the state (directory, best paths) of the run it served."""
+    return {
+        "default_root_dir": "runs",
+        "log_every_n_steps": 1,  # a phase has only a handful of steps
+        "num_sanity_val_steps": 0,
+        # A checkpoint at the end of every phase (last.ckpt links to it), never mid-phase: a mid-phase
+        # checkpoint would resume with an empty replay memory.
+        "callbacks": [ModelCheckpoint(save_last="link", save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True)],
+    }
 
 
 def make_cli(args=None, run: bool = True) -> GRPOLightningCLI:
     """The project's LightningCLI; ``run=False`` parses and instantiates without fitting."""
     return GRPOLightningCLI(
         GRPOModule,
-        trainer_defaults=TRAINER_DEFAULTS,
+        trainer_defaults=trainer_defaults(),
         seed_everything_default=False,  # sampling is seeded per phase from model.seed
         parser_kwargs={"exit_on_error": False},
         args=args,
@@ -47,9 +49,24 @@ def make_cli(args=None, run: bool = True) -> GRPOLightningCLI:
 def main(args=None) -> None:
     try:
         make_cli(args)
-    except (GRPOError, ArgumentError) as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)
-        sys.exit(2 if isinstance(error, ArgumentError) else 1)
+    except (GRPOError, ArgumentError, ValueError) as error:
+        # jsonargparse wraps an error raised while building a reward from YAML in a ValueError of
+        # its own: report the project's error it carries, if any.
+        own = _project_error(error)
+        if own is None and not isinstance(error, ArgumentError):
+            raise
+        print(f"error: {_one_line(own or error)}", file=sys.stderr)
+        sys.exit(1 if own is not None else 2)
+
+
+def _project_error(error: BaseException | None) -> GRPOError | None:
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, GRPOError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 def _one_line(error: Exception) -> str:

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from rewards import CharCount, Reward
-from rewards.base import describe_reward
+from rewards.base import describe_reward, prepare_reward
 
 from .config import GRPO_Args, GRPOConfigError
 from .lora import LoraSettings, apply_lora
@@ -59,6 +59,8 @@ FROZEN_PREFIXES = ("ref_model.", "reward.")
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+# - a reward model is stored in hparams as plain data (its class_path/init_args), not as a module.
+warnings.filterwarnings("ignore", message=r"Attribute 'reward' is an instance of `nn.Module`")
 
 
 def phase_seed(seed: int, phase: int, rank: int) -> int:
@@ -170,6 +172,7 @@ class GRPOModule(L.LightningModule):
         """Loads the models once (Lightning and ``load_from_checkpoint`` may both call this)."""
         if self.policy is not None:
             return
+        prepare_reward(self.reward)  # load a reward model now: a missing classifier fails before training
         self.tokenizer = load_tokenizer(self.args.base_model)
         self.policy = load_causal_lm(self.args.base_model)
         if self.lora is not None:
