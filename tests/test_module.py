@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from grpo_lightning import GRPOModule, RewardError
 from grpo_lightning.config import GRPOConfigError
 from rewards import CharCount
+from rewards.base import RewardModule
 
 PHASE = dict(batch_size=4, num_minibatches=2, batches_per_learning_phase=2, gen_len=4)  # 4 steps per phase
 
@@ -199,3 +200,38 @@ def test_max_epochs_must_equal_total_phases(tiny_model_dir, tmp_path):
 def test_unknown_model_directory_fails_before_loading(tmp_path):
     with pytest.raises(GRPOConfigError, match="no model directory at"):
         GRPOModule(model_name_or_path=str(tmp_path / "missing-model"))
+
+
+class LinearLengthReward(RewardModule):
+    """A reward with a network: a 1x1 linear layer applied to each sample's length."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(1, 1)
+        with torch.no_grad():
+            self.head.weight.fill_(2.0)
+            self.head.bias.fill_(-1.0)
+
+    def score(self, samples):
+        lengths = torch.tensor([[float(len(s))] for s in samples], device=self.device)
+        return self.head(lengths).squeeze(-1)
+
+
+def test_a_network_reward_is_frozen_and_kept_out_of_optimizer_and_checkpoint(tiny_model_dir, tmp_path):
+    reward = LinearLengthReward()
+    module = make_module(tiny_model_dir, reward=reward)
+    trainer = make_trainer(tmp_path)
+    trainer.fit(module)
+
+    assert module.reward is reward and dict(module.named_children())["reward"] is reward  # placed with the policy
+    assert not any(p.requires_grad for p in reward.parameters()) and not reward.training
+    torch.testing.assert_close(reward.head.weight, torch.tensor([[2.0]]), rtol=0, atol=0)  # untouched by training
+    optimized = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert not any(id(p) in optimized for p in reward.parameters())
+    checkpoint = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True)
+    assert not [k for k in checkpoint["state_dict"] if k.startswith("reward.")]
+    # strict loading forgives exactly the frozen reward keys, and the reward still scores 2 * len - 1
+    fresh = make_module(tiny_model_dir, reward=LinearLengthReward())
+    fresh.configure_model()
+    fresh.load_state_dict(checkpoint["state_dict"], strict=True)
+    assert reward(["abc", "hello"]).tolist() == [5.0, 9.0]
