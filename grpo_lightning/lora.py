@@ -46,8 +46,9 @@ def default_target_modules(model: torch.nn.Module) -> list[str] | str:
     return _TARGETS_BY_MODEL_TYPE.get(model_type, "all-linear")
 
 
-def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Module:
-    """Wraps ``model`` with fresh LoRA adapters; only the adapter weights require grad afterwards."""
+def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int = 0) -> torch.nn.Module:
+    """Wraps ``model`` with fresh LoRA adapters; only the adapter weights require grad afterwards.
+    The adapters' random initialisation is drawn from ``seed``, so runs repeat exactly."""
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(
@@ -57,4 +58,6 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings) -> torch.nn.Modul
         target_modules=settings.target_modules or default_target_modules(model),
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, config).eval()
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
+        torch.manual_seed(seed)
+        return get_peft_model(model, config).eval()

@@ -176,7 +176,8 @@ class GRPOModule(L.LightningModule):
         self.tokenizer = load_tokenizer(self.args.base_model)
         self.policy = load_causal_lm(self.args.base_model)
         if self.lora is not None:
-            self.policy = apply_lora(self.policy, self.lora)  # the reference = adapters disabled, no copy
+            # The reference is this same network with its adapters disabled: no second copy.
+            self.policy = apply_lora(self.policy, self.lora, seed=self.args.seed)
         elif self.uses_reference:
             self.ref_model = load_causal_lm(self.args.base_model).requires_grad_(False)
 

@@ -95,3 +95,12 @@ def test_default_targets_cover_attention_and_mlp_for_llama_and_gpt2(tiny_model_d
 def test_lora_flag_true_means_default_settings(tiny_model_dir):
     module = make_module(tiny_model_dir, lora=True)
     assert module.lora == LoraSettings()
+
+
+def test_adapter_initialisation_is_seeded(tiny_model_dir):
+    first, second, other = (lora_module(tiny_model_dir, seed=s) for s in (7, 7, 8))
+    for module in (first, second, other):
+        module.configure_model()
+    key = next(k for k in first.policy.state_dict() if "lora_A" in k)
+    assert torch.equal(first.policy.state_dict()[key], second.policy.state_dict()[key])
+    assert not torch.equal(first.policy.state_dict()[key], other.policy.state_dict()[key])
