@@ -12,10 +12,11 @@ import torch
 
 # Every projection of attention and MLP: more capacity than peft's own defaults (q and v only),
 # at a still tiny parameter count.
+_LLAMA_STYLE = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 _TARGETS_BY_MODEL_TYPE = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "llama": _LLAMA_STYLE,
+    "mistral": _LLAMA_STYLE,
+    "qwen2": _LLAMA_STYLE,
     "gpt2": ["c_attn", "c_proj", "c_fc"],
 }
 
@@ -43,7 +44,8 @@ class LoraSettings:
 
 def default_target_modules(model: torch.nn.Module) -> list[str] | str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    return _TARGETS_BY_MODEL_TYPE.get(model_type, "all-linear")
+    targets = _TARGETS_BY_MODEL_TYPE.get(model_type, "all-linear")
+    return list(targets) if isinstance(targets, list) else targets  # a copy: peft may keep and alter it
 
 
 def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int = 0) -> torch.nn.Module:
