@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 import os
 import warnings
 from typing import Callable
@@ -47,7 +46,6 @@ from .reporting import phase_line, render_console_table, render_markdown_table, 
 from .reward_checks import score_samples
 from .sampling import get_samples
 
-log = logging.getLogger(__name__)
 
 # Submodules that never train: kept out of checkpoints (and forgiven when loading), together with
 # every other parameter that does not require grad (the frozen base weights under LoRA).
