@@ -1,5 +1,8 @@
 """``grpo-lightning fit --config experiments/quickstart.yaml``: LightningCLI over GRPOModule.
 
+``grpo-lightning diagnose ...`` is a separate argparse command (``grpo_lightning.diagnostics``),
+dispatched before LightningCLI is built.
+
 Settings errors end in one line (``error: ...``) instead of a usage dump or a traceback.
 """
 
@@ -46,7 +49,15 @@ def make_cli(args=None, run: bool = True) -> GRPOLightningCLI:
     )
 
 
-def main(args=None) -> None:
+def main(args=None) -> int | None:
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["diagnose"]:
+        from .diagnostics import main as diagnose
+
+        code = diagnose(argv[1:])
+        if code:
+            sys.exit(code)
+        return code
     try:
         make_cli(args)
     except (GRPOError, ArgumentError, ValueError) as error:

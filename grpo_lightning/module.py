@@ -15,6 +15,7 @@ import contextlib
 import copy
 import dataclasses
 import os
+import time
 import warnings
 from typing import Callable
 
@@ -23,28 +24,31 @@ import torch
 from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 from torch.utils.data import DataLoader
+from torchmetrics import MaxMetric, MeanMetric
 
 from rewards import CharCount, Reward
 from rewards.base import describe_reward, prepare_reward
 
+from .activation_checkpointing import enable_activation_checkpointing, flag_checkpointed_layers
 from .config import GRPO_Args, GRPOConfigError
+from .kl import KL_ESTIMATORS, kl_in_reward, kl_loss_penalty
 from .lora import LoraSettings, apply_lora
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
 from .models import check_model_name, load_causal_lm, load_tokenizer
 from .objectives import (
     calc_clipped_surrogate_objective,
-    calc_kl_penalty,
     clip_fraction,
     compute_grpo_advantages,
     get_logits,
     get_logprobs,
     get_logprobs_batched,
-    kl_k1,
 )
 from .optim import get_optimizer_and_scheduler
-from .reporting import phase_line, render_console_table, render_markdown_table, sample_rows
+from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
+from .reporting import phase_line, render_console_table, render_markdown_table
 from .reward_checks import score_samples
-from .sampling import get_samples
+from .rollout_stats import importance_ratio_stats
+from .sampling import sample_group
 
 
 # Submodules that never train: kept out of checkpoints (and forgiven when loading), together with
@@ -86,10 +90,13 @@ class GRPOModule(L.LightningModule):
         max_grad_norm: float = 1.0,
         clip_coef: float = 0.2,
         kl_coef: float = 0.3,
+        kl_estimator: str = "k2",
         seed: int = 1,
-        samples_shown: int = 3,
+        samples_shown: int = 8,
         export_dir: str | None = "hf_model",
         lora: bool | LoraSettings = False,
+        recompute_old_logprobs: bool = False,
+        activation_checkpointing: bool = False,
     ):
         """
         Args:
@@ -112,18 +119,33 @@ class GRPOModule(L.LightningModule):
             final_scale: LR multiplier reached at the last phase, after linear decay.
             max_grad_norm: gradient-norm clipping threshold (the trainer's gradient_clip_val wins if set).
             clip_coef: epsilon of the clipped surrogate, in (0, 1).
-            kl_coef: beta, weight of the k2 KL penalty to the reference model; 0 loads no reference.
+            kl_coef: beta, weight of the KL penalty to the reference model; 0 loads no reference.
+            kl_estimator: how the KL is penalised: "k2" (default) in the loss, whose gradient is that of
+                the reverse KL(pi || pi_ref); "k3" in the loss (its gradient follows the forward KL, for
+                comparison); "k1_reward": ``kl_coef * sum_t log(pi/pi_ref)`` subtracted from each reward
+                before advantages are computed. See ``grpo_lightning.kl``.
             seed: seed of sampling and minibatch shuffling (per phase, so resumed runs match).
-            samples_shown: samples printed and logged per phase.
+            samples_shown: samples printed and logged per phase, the best and worst of the group included.
             export_dir: where, inside the run's log directory, the trained policy and tokenizer are
                 saved in Hugging Face format at the end of training; null to skip. With LoRA, the
                 adapter is saved (peft format) in ``<export_dir>/adapter``, and the merged model in
                 ``<export_dir>`` only if ``lora.merge_on_export``.
             lora: true (default settings) or a block of LoraSettings to train LoRA adapters instead
                 of the whole policy; the reference policy is then the policy with adapters disabled.
+            recompute_old_logprobs: false (default) keeps log pi_old as sampling computed it, from the
+                very logits each token was drawn from (same weights, same precision context); true
+                recomputes it with a separate forward pass over the group after sampling, as the
+                reference does (identical in exact arithmetic, one more forward pass per phase).
+            activation_checkpointing: recompute each decoder layer's activations in the backward pass
+                instead of keeping them: much less memory in the learning phase, about a third more
+                compute there. See ``grpo_lightning.activation_checkpointing``.
         """
         super().__init__()
         check_model_name(model_name_or_path)
+        if kl_estimator not in KL_ESTIMATORS:
+            raise GRPOConfigError(f"kl_estimator ({kl_estimator!r}) must be one of {', '.join(map(repr, KL_ESTIMATORS))}")
+        if samples_shown < 0:
+            raise GRPOConfigError(f"samples_shown ({samples_shown}) must be >= 0")
         if reward is None:
             reward = CharCount(".")
         if isinstance(reward, torch.nn.Module):  # a reward model: a child, so Lightning places it; never trained
@@ -137,8 +159,11 @@ class GRPOModule(L.LightningModule):
         )  # fmt: skip
         self.reward = reward
         self.start_token = start_token
+        self.kl_estimator = kl_estimator
         self.samples_shown = samples_shown
         self.export_dir = export_dir
+        self.recompute_old_logprobs = recompute_old_logprobs
+        self.activation_checkpointing = activation_checkpointing
         if isinstance(lora, dict):  # as stored in a checkpoint's hyperparameters
             lora = LoraSettings(**lora)
         self.lora: LoraSettings | None = LoraSettings() if lora is True else (lora or None)
@@ -154,6 +179,10 @@ class GRPOModule(L.LightningModule):
         self.tokenizer = None
         self.memory: ReplayMemory | None = None
         self._shuffle_generator: torch.Generator | None = None
+        self.timer = PhaseTimer()  # seconds per part of the current phase; read by benchmarks/phase_time.py
+        # Importance ratios over a whole learning phase (the per-step values are logged too).
+        self.ratio_mean = MeanMetric()
+        self.ratio_max = MaxMetric()
 
         # The frozen reference and reward models never change: keep them out of checkpoints, and
         # forgive exactly their keys when loading, so that loading stays strict for everything else.
@@ -178,6 +207,14 @@ class GRPOModule(L.LightningModule):
             self.policy = apply_lora(self.policy, self.lora, seed=self.args.seed)
         elif self.uses_reference:
             self.ref_model = load_causal_lm(self.args.base_model).requires_grad_(False)
+        if self.activation_checkpointing:
+            enable_activation_checkpointing(self.policy)
+
+    @property
+    def on_policy(self) -> bool:
+        """One minibatch, one pass: every step's policy is the one that sampled, so log pi_old is
+        exactly the detached current log pi (the importance ratio is exactly 1)."""
+        return self.args.num_minibatches == 1 and self.args.batches_per_learning_phase == 1
 
     def get_ref_logprobs(self, sample_ids: Tensor) -> Tensor | None:
         """(B, T) log-probabilities under the reference policy; None when there is none (kl_coef=0).
@@ -203,49 +240,81 @@ class GRPOModule(L.LightningModule):
         # eval() switches off dropout only (gradients still flow): rollout, learning and reference
         # log-probabilities must all come from the same deterministic function.
         self.policy.eval()
+        if self.activation_checkpointing:
+            flag_checkpointed_layers(self.policy)  # eval() cleared the flag checkpointing needs
         seed = phase_seed(self.args.seed, self.current_epoch, self.global_rank)
         torch.manual_seed(seed)
         self._shuffle_generator = torch.Generator().manual_seed(seed + 1)
-        # Same autocast as training_step, so the first minibatch's importance ratio is exactly 1.
+        self.timer.reset()
+        # Same autocast as training_step, so the first minibatch's importance ratio is 1 (up to the
+        # rounding of that precision when log pi_old comes from the KV-cached sampling pass).
         with torch.no_grad(), self.trainer.precision_plugin.forward_context():
             self.memory = self.rollout_phase()
 
     def rollout_phase(self) -> ReplayMemory:
-        args = self.args
-        sample_ids, samples = get_samples(
-            self.policy, self.tokenizer, args.prompt, args.batch_size, args.gen_len, args.temperature, self.start_token
+        args, timer = self.args, self.timer
+        with timer.measure("generate"):
+            sampled, samples = sample_group(
+                self.policy, self.tokenizer, args.prompt, args.batch_size, args.gen_len, args.temperature, self.start_token
+            )
+        sample_ids = sampled.sample_ids
+        with timer.measure("score"):
+            rewards = score_samples(self.reward, samples)
+        logprobs = sampled.logprobs
+        if self.recompute_old_logprobs:
+            with timer.measure("old_logprobs"):
+                logprobs = get_logprobs_batched(self.policy, sample_ids, args.gen_len, args.minibatch_size)
+        with timer.measure("ref_logprobs"):
+            ref_logprobs = self.get_ref_logprobs(sample_ids)
+        scored_rewards = rewards.to(self.device)
+        if self.kl_estimator == "k1_reward" and ref_logprobs is not None:
+            scored_rewards = kl_in_reward(scored_rewards, logprobs, ref_logprobs, args.kl_coef)
+        advantages = compute_grpo_advantages(scored_rewards)
+        completion_ids = sample_ids[:, -args.gen_len :]
+        record = RolloutRecord(
+            samples=samples,
+            completions=[sample[len(args.prompt) :] for sample in samples],
+            completion_ids=completion_ids,
+            rewards=rewards,
+            advantages=advantages,
+            entropy=sampled.entropy,
+            logprobs=logprobs,
+            ref_logprobs=ref_logprobs,
         )
-        rewards = score_samples(self.reward, samples)
-        advantages = compute_grpo_advantages(rewards).to(self.device)
-        logprobs = get_logprobs_batched(self.policy, sample_ids, args.gen_len, args.minibatch_size)
-        ref_logprobs = self.get_ref_logprobs(sample_ids)
-        self.log_rollout(samples, rewards, logprobs, ref_logprobs)
+        self.log_rollout(record)
         if ref_logprobs is None:  # kl_coef=0: the KL term is skipped, these zeros are never read
             ref_logprobs = torch.zeros_like(logprobs)
         return ReplayMemory(args, sample_ids, logprobs, ref_logprobs, advantages)
 
-    def log_rollout(self, samples: list[str], rewards: Tensor, logprobs: Tensor, ref_logprobs: Tensor | None) -> None:
-        # k1 averaged over the batch: unbiased, and steadier than k3 once the policy has drifted far.
-        kl = None if ref_logprobs is None else kl_k1(logprobs, ref_logprobs).mean().item()
-        metrics = {
-            "rollout/reward_mean": rewards.mean(),
-            "rollout/reward_std": rewards.std() if len(rewards) > 1 else torch.tensor(0.0),
-            "rollout/reward_min": rewards.min(),
-            "rollout/reward_max": rewards.max(),
-        }
-        if kl is not None:
-            metrics["rollout/kl"] = torch.tensor(kl)
+    def log_rollout(self, record: RolloutRecord) -> None:
+        scalars = rollout_scalars(record, group_size=self.args.batch_size)  # one prompt: one group
         for name, values in getattr(self.reward, "last_components", {}).items():  # e.g. WeightedSum's terms
-            metrics[f"rollout/reward_components/{name}"] = values.float().mean()
-        self.log_dict(metrics, on_step=False, on_epoch=True, batch_size=len(samples))
+            scalars[f"rollout/reward_components/{name}"] = values.float().mean().cpu()
+        self.log_dict(scalars, on_step=False, on_epoch=True, batch_size=len(record.samples))
 
-        rows = sample_rows(samples, rewards, ref_logprobs, self.samples_shown)
+        rows = sample_table(record, self.samples_shown)
+        kl = scalars.get("rollout/kl_k1")
         if self.trainer.is_global_zero:
-            line = phase_line(self.current_epoch + 1, self.args.total_phases, rewards.mean().item(), kl)
+            line = phase_line(self.current_epoch + 1, self.args.total_phases, scalars["rollout/reward_mean"].item(),
+                              None if kl is None else kl.item())  # fmt: skip
             print(f"\n{line}\n{render_console_table(rows)}", flush=True)
         experiment = getattr(self.logger, "experiment", None)
         if hasattr(experiment, "add_text"):  # TensorBoard
             experiment.add_text("rollout/samples", render_markdown_table(rows), self.global_step)
+            write_histograms(experiment, record, self.global_step)
+
+    # The learning phase is timed step by step (forward, backward, clipping and optimizer step), so
+    # that checkpoint writing at the end of the epoch is not counted in it.
+    def on_train_batch_start(self, batch, batch_idx: int) -> None:
+        self._step_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx: int) -> None:
+        self.timer.seconds["learn"] = self.timer.seconds.get("learn", 0.0) + time.perf_counter() - self._step_start
+
+    def on_train_epoch_end(self) -> None:
+        self.timer.seconds["phase"] = sum(self.timer.seconds.values())
+        generated_tokens = self.args.batch_size * self.args.gen_len
+        self.log_dict(perf_scalars(self.timer.seconds, generated_tokens), on_step=False, on_epoch=True, batch_size=1)
 
     # ---- learning phase --------------------------------------------------------------------
 
@@ -260,26 +329,44 @@ class GRPOModule(L.LightningModule):
         args = self.args
         logits = get_logits(self.policy, minibatch.sample_ids, args.gen_len)  # (b, T + 1, V)
         logprobs = get_logprobs(logits, minibatch.sample_ids, args.gen_len)  # (b, T)
-        surrogate = calc_clipped_surrogate_objective(logprobs, minibatch.logprobs, minibatch.advantages, args.clip_coef)
+        # On-policy (one minibatch, one pass): log pi_old is this very forward pass, detached; the
+        # ratio is exactly 1 and the gradient is the plain policy gradient, with no rounding noise.
+        old_logprobs = logprobs.detach() if self.on_policy else minibatch.logprobs
+        surrogate = calc_clipped_surrogate_objective(logprobs, old_logprobs, minibatch.advantages, args.clip_coef)
         if self.uses_reference:
-            kl_penalty = calc_kl_penalty(logprobs, minibatch.ref_logprobs, args.kl_coef)
+            kl_penalty = kl_loss_penalty(logprobs, minibatch.ref_logprobs, args.kl_coef, self.kl_estimator)
         else:
             kl_penalty = torch.zeros((), device=logprobs.device)
         objective = surrogate - kl_penalty
+        ratio_mean, ratio_max = importance_ratio_stats(logprobs, old_logprobs)
+        self.ratio_mean.update(ratio_mean)
+        self.ratio_max.update(ratio_max)
         stats = {
             "train/objective": objective.detach(),
             "train/clipped_surrogate": surrogate.detach(),
             "train/kl_penalty": kl_penalty.detach(),
-            "train/clip_fraction": clip_fraction(logprobs, minibatch.logprobs, args.clip_coef),
+            "train/clip_fraction": clip_fraction(logprobs, old_logprobs, args.clip_coef),
+            "train/ratio_mean": ratio_mean,
+            "train/ratio_max": ratio_max,
             "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
         }
         self.log_dict(stats, on_step=True, on_epoch=False, batch_size=len(minibatch.advantages))
+        self.log("train/ratio_mean_phase", self.ratio_mean, on_step=False, on_epoch=True)
+        self.log("train/ratio_max_phase", self.ratio_max, on_step=False, on_epoch=True)
         # Returned as is, not negated: the optimizer is AdamW(maximize=True), as in the reference.
         return objective
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_val = self.args.max_grad_norm if gradient_clip_val is None else gradient_clip_val
-        self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm or "norm")
+        algorithm = gradient_clip_algorithm or "norm"
+        if algorithm == "norm" and getattr(optimizer, "_step_supports_amp_scaling", False):
+            # A fused AdamW: Lightning's mixed-precision plugin refuses to clip for it, because with
+            # fp16 loss scaling it could not unscale first. There is no loss scaling here (bf16, or
+            # fp32; fp16 gets the unfused optimizer), so the gradients are the true ones: clip them.
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            torch.nn.utils.clip_grad_norm_(params, clip_val)
+        else:
+            self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         norms = grad_norm(self.policy, norm_type=2)
@@ -287,7 +374,9 @@ class GRPOModule(L.LightningModule):
             self.log("train/grad_norm", norms["grad_2.0_norm_total"], on_step=True, on_epoch=False)
 
     def configure_optimizers(self):
-        optimizer, scheduler = get_optimizer_and_scheduler(self.args, self.policy)
+        # fp16 with loss scaling needs Lightning to unscale gradients before clipping: no fused kernel there.
+        fused = None if not str(self.trainer.precision).startswith("16") else False
+        optimizer, scheduler = get_optimizer_and_scheduler(self.args, self.policy, fused=fused)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
 
     # ---- the end ---------------------------------------------------------------------------

@@ -72,38 +72,9 @@ def get_logprobs_batched(model: torch.nn.Module, sample_ids: Tensor, gen_len: in
 # ---------------------------------------------------------------------------------------------
 
 
-def calc_kl_penalty_naive(logprobs: Tensor, ref_logprobs: Tensor, kl_coef: float) -> Tensor:
-    """Exact ``kl_coef * mean_{b,t} KL(pi || pi_ref)`` from full-vocabulary log-probabilities (b, T, V).
-
-    Written with log-probabilities only (no division of probabilities), so extreme logits stay finite.
-    """
-    probs = logprobs.exp()
-    kl_per_position = (probs * (logprobs - ref_logprobs)).sum(-1)  # (b, T)
-    return kl_coef * kl_per_position.mean()
-
-
-def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k1 = log(pi / pi_ref) on the sampled token: unbiased for KL(pi || pi_ref), noisy."""
-    return logprobs - ref_logprobs
-
-
-def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k2 = 0.5 * log(pi / pi_ref)^2: biased value, but its expected gradient is
-    exactly the gradient of the reverse KL(pi || pi_ref), which is why the loss uses it."""
-    return 0.5 * (logprobs - ref_logprobs) ** 2
-
-
-def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """Per-token k3 = pi_ref/pi - 1 + log(pi/pi_ref): unbiased and >= 0, a good *measurement*,
-    but its gradient follows the forward KL(pi_ref || pi)."""
-    log_ratio = logprobs - ref_logprobs
-    return torch.exp(-log_ratio) - 1 + log_ratio
-
-
-def calc_kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kl_coef: float) -> Tensor:
-    """``kl_coef * mean(k2)`` over all (b, T) generated tokens: the KL term of the GRPO loss."""
-    assert logprobs.shape == ref_logprobs.shape, "logprobs and ref_logprobs must have the same shape"
-    return kl_coef * kl_k2(logprobs, ref_logprobs).mean()
+# The estimators and the chapter's penalty functions live in grpo_lightning.kl; re-exported here under
+# the names code written against this module imports.
+from .kl import calc_kl_penalty, calc_kl_penalty_naive, kl_k1, kl_k2, kl_k3  # noqa: E402,F401
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,14 +21,20 @@ def warmup_linear_decay(total_phases: int, warmup_steps: int, final_scale: float
     return lr_lambda
 
 
-def get_optimizer_and_scheduler(args, model: nn.Module) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+def get_optimizer_and_scheduler(
+    args, model: nn.Module, fused: bool | None = None
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW with ``maximize=True`` over the trainable parameters of ``model`` (frozen ones, such as
     a LoRA base, are left out), and the per-phase LambdaLR schedule of ``warmup_linear_decay``.
 
-    ``args`` needs ``lr``, ``total_phases``, ``warmup_steps`` and ``final_scale``.
+    ``args`` needs ``lr``, ``total_phases``, ``warmup_steps`` and ``final_scale``. ``fused``: None
+    picks the fused kernel wherever it runs (CPU and CUDA floating-point parameters).
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(params) and all(p.is_cuda for p in params)  # one kernel for the whole update on GPU
+    # One fused kernel for the whole update: on a 2-core CPU it is ~4x faster than the foreach path
+    # for a 135M model (0.07 s vs 0.26+ s a step), with the same arithmetic.
+    if fused is None:
+        fused = bool(params) and all(p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params)
     optimizer = torch.optim.AdamW(params, lr=args.lr, maximize=True, fused=fused)
     lr_lambda = warmup_linear_decay(args.total_phases, args.warmup_steps, args.final_scale)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lr_lambda)

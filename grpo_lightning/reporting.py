@@ -13,6 +13,9 @@ class SampleRow:
     reward: float
     ref_logprob: float | None  # summed over the completion; None without a reference model
     text: str
+    # The sample's group-normalised advantage. Rows that carry one (see ``sample_table_rows``) render
+    # with the wider layout: Reward | Advantage | Ref log-prob | Sample.
+    advantage: float | None = None
 
 
 def sample_rows(samples: list[str], rewards: Tensor, ref_logprobs: Tensor | None, count: int) -> list[SampleRow]:
@@ -21,6 +24,40 @@ def sample_rows(samples: list[str], rewards: Tensor, ref_logprobs: Tensor | None
     for i in range(min(count, len(samples))):
         ref = None if ref_logprobs is None else float(ref_logprobs[i].sum())
         rows.append(SampleRow(float(rewards[i]), ref, samples[i]))
+    return rows
+
+
+def sample_table_rows(
+    samples: list[str],
+    rewards: Tensor,
+    advantages: Tensor,
+    ref_logprobs: Tensor | None,
+    indices: list[int],
+) -> list[SampleRow]:
+    """Rows for the samples at ``indices``, in that order (e.g. from ``rollout_stats.select_sample_indices``).
+
+    ``rewards`` and ``advantages`` are ``(B,)``. ``ref_logprobs`` is the reference model's
+    log-probability of each completion: ``(B,)`` already summed, or ``(B, T)`` per token, summed here
+    over the completion tokens; ``None`` without a reference model (the cell shows "–").
+    Every row carries its advantage, so the renderers use the wide layout.
+    """
+    count = len(samples)
+    if rewards.shape != (count,) or advantages.shape != (count,):
+        raise ValueError(
+            f"{count} samples need rewards and advantages of shape ({count},), "
+            f"got {tuple(rewards.shape)} and {tuple(advantages.shape)}"
+        )
+    if ref_logprobs is not None:
+        if ref_logprobs.dim() not in (1, 2) or ref_logprobs.shape[0] != count:
+            raise ValueError(f"ref_logprobs must be ({count},) or ({count}, T), got {tuple(ref_logprobs.shape)}")
+        if ref_logprobs.dim() == 2:
+            ref_logprobs = ref_logprobs.sum(dim=-1)
+    rows = []
+    for i in indices:
+        if not 0 <= i < count:
+            raise IndexError(f"sample index {i} out of range for {count} samples")
+        ref = None if ref_logprobs is None else float(ref_logprobs[i])
+        rows.append(SampleRow(float(rewards[i]), ref, samples[i], advantage=float(advantages[i])))
     return rows
 
 
@@ -33,24 +70,81 @@ def _fmt_ref(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.2f}"
 
 
+_NO_REF = "–"  # the wide layout's cell for "no reference model"
+_NEWLINE = "⏎"
+
+
+def _wide(rows: list[SampleRow]) -> bool:
+    return any(row.advantage is not None for row in rows)
+
+
+def _fmt_wide_ref(value: float | None) -> str:
+    return _NO_REF if value is None else f"{value:.2f}"
+
+
+def _fmt_advantage(value: float | None) -> str:
+    return _NO_REF if value is None else f"{value:+.3f}"
+
+
+def display_text(text: str) -> str:
+    """A sample on one line: each line break (``\\r\\n``, ``\\r`` or ``\\n``) becomes "⏎"."""
+    return text.replace("\r\n", _NEWLINE).replace("\r", _NEWLINE).replace("\n", _NEWLINE)
+
+
+# Backslash escapes Python-Markdown (TensorBoard's renderer) honours; "|" is the table extension's.
+_MARKDOWN_ESCAPES = str.maketrans({c: "\\" + c for c in "\\`*_[]|"} | {"&": "&amp;", "<": "&lt;", ">": "&gt;"})
+
+
+def escape_markdown_cell(text: str) -> str:
+    """``text`` as one Markdown table cell that TensorBoard shows literally.
+
+    Line breaks become "⏎"; backslash, backtick, ``*``, ``_``, brackets and ``|`` are backslash-escaped
+    (no code span, emphasis, link or column split); ``&``, ``<`` and ``>`` become entities (no HTML).
+    """
+    return display_text(text).translate(_MARKDOWN_ESCAPES)
+
+
 def render_console_table(rows: list[SampleRow], width: int = 120) -> str:
-    """A boxed table (rich) rendered to a string, so it can be printed between progress-bar updates."""
+    """A boxed table (rich) rendered to a string, so it can be printed between progress-bar updates.
+
+    Rows without an advantage (``sample_rows``): Reward | Ref logprobs | Sample, the sample as its
+    ``repr``. Rows with one (``sample_table_rows``): Reward | Advantage | Ref log-prob | Sample, the
+    sample on one line with "⏎" for line breaks. Sample text is never read as rich markup.
+    """
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
+    wide = _wide(rows)
     table = Table(show_lines=True)
     table.add_column("Reward", justify="right")
-    table.add_column("Ref logprobs", justify="right")
+    if wide:
+        table.add_column("Advantage", justify="right")
+        table.add_column("Ref log-prob", justify="right")
+    else:
+        table.add_column("Ref logprobs", justify="right")
     table.add_column("Sample", overflow="fold")
     for row in rows:
-        table.add_row(f"{row.reward:g}", _fmt_ref(row.ref_logprob), repr(row.text))
+        if wide:
+            cells = [_fmt_advantage(row.advantage), _fmt_wide_ref(row.ref_logprob), Text(display_text(row.text))]
+        else:
+            cells = [_fmt_ref(row.ref_logprob), Text(repr(row.text))]
+        table.add_row(f"{row.reward:g}", *cells)
     buffer = io.StringIO()
     Console(file=buffer, width=width, force_terminal=False, color_system=None).print(table)
     return buffer.getvalue().rstrip("\n")
 
 
 def render_markdown_table(rows: list[SampleRow]) -> str:
-    """The same table in Markdown, which TensorBoard's text tab renders."""
+    """The same table in Markdown, which TensorBoard's text tab renders (same two layouts as the console)."""
+    if _wide(rows):
+        lines = ["| Reward | Advantage | Ref log-prob | Sample |", "|---:|---:|---:|---|"]
+        lines += [
+            f"| {row.reward:g} | {_fmt_advantage(row.advantage)} | {_fmt_wide_ref(row.ref_logprob)} "
+            f"| {escape_markdown_cell(row.text)} |"
+            for row in rows
+        ]
+        return "\n".join(lines)
 
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", "\\n")

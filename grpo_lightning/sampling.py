@@ -8,6 +8,7 @@ tokens (no early stop at end-of-text), which keeps the batch rectangular and unp
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -48,25 +49,85 @@ def _cache_argument(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
 
+@dataclass
+class SampledCompletions:
+    """What sampling produced, per generated token: B sequences, T = gen_len."""
+
+    sample_ids: Tensor  # (B, P + T) prompt + completion ids
+    logprobs: Tensor  # (B, T) float32 log pi(token), at temperature 1, as sampling computed it
+    entropy: Tensor  # (B, T) float32 entropy (nats) of pi at each generated position, at temperature 1
+
+
 @torch.no_grad()
-def sample_completions(model: torch.nn.Module, prompt_ids: Tensor, gen_len: int, temperature: float = 1.0) -> Tensor:
-    """Samples ``gen_len`` tokens after each row of ``prompt_ids`` (B, P); returns (B, P + T).
+def sample_completions_with_logprobs(
+    model: torch.nn.Module, prompt_ids: Tensor, gen_len: int, temperature: float = 1.0
+) -> SampledCompletions:
+    """Samples ``gen_len`` tokens after each row of ``prompt_ids`` (B, P), keeping log pi of each token.
 
     A plain KV-cached loop: one forward of the prompt, then one token per step sampled from
     ``softmax(logits / temperature)`` over the full vocabulary. The attention mask is all ones
     (there is no padding), so the context sampled from is the one log-probabilities are taken on.
+
+    The log-probabilities and entropies are those of the policy itself (temperature 1), in float32,
+    from the very logits the tokens were drawn from: they are log pi_old of the rollout, so the
+    learning phase needs no second forward pass to recompute them.
     """
     cache_arg = _cache_argument(model)
-    sample_ids = prompt_ids
+    new_ids, logprobs, entropy = [], [], []
     outputs = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
     for step in range(gen_len):
-        logits = outputs.logits[:, -1].float() / temperature  # (B, V)
-        next_ids = torch.multinomial(logits.softmax(dim=-1), num_samples=1)  # (B, 1)
-        sample_ids = torch.cat([sample_ids, next_ids], dim=1)
+        policy_logprobs = outputs.logits[:, -1].float().log_softmax(dim=-1)  # (B, V)
+        if temperature == 1.0:
+            sampling_probs = policy_logprobs.exp()
+        else:
+            sampling_probs = (outputs.logits[:, -1].float() / temperature).softmax(dim=-1)
+        next_ids = torch.multinomial(sampling_probs, num_samples=1)  # (B, 1)
+        new_ids.append(next_ids)
+        logprobs.append(policy_logprobs.gather(-1, next_ids))
+        entropy.append(_entropy(policy_logprobs).unsqueeze(-1))
         if step + 1 < gen_len:
             cache = getattr(outputs, cache_arg)
             outputs = model(input_ids=next_ids, use_cache=True, **{cache_arg: cache})
-    return sample_ids
+    return SampledCompletions(
+        sample_ids=torch.cat([prompt_ids, *new_ids], dim=1),
+        logprobs=torch.cat(logprobs, dim=1),
+        entropy=torch.cat(entropy, dim=1),
+    )
+
+
+def _entropy(logprobs: Tensor) -> Tensor:
+    """Entropy of each row of full log-probabilities (..., V); 0 * log 0 counts as 0."""
+    return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
+
+
+@torch.no_grad()
+def sample_completions(model: torch.nn.Module, prompt_ids: Tensor, gen_len: int, temperature: float = 1.0) -> Tensor:
+    """Samples ``gen_len`` tokens after each row of ``prompt_ids`` (B, P); returns the ids (B, P + T).
+    See ``sample_completions_with_logprobs``."""
+    return sample_completions_with_logprobs(model, prompt_ids, gen_len, temperature).sample_ids
+
+
+@torch.no_grad()
+def sample_group(
+    model: torch.nn.Module,
+    tokenizer,
+    prompt: str,
+    batch_size: int,
+    gen_len: int,
+    temperature: float = 1.0,
+    start_token: str | None = None,
+) -> tuple[SampledCompletions, list[str]]:
+    """Samples ``batch_size`` completions of ``gen_len`` tokens of one prompt (one GRPO group).
+
+    Returns the ``SampledCompletions`` (ids, whose last ``gen_len`` columns are the completions, and
+    per-token log-probabilities and entropies) and ``samples``: prompt + decoded completion (special
+    tokens skipped), the strings rewards score.
+    """
+    device = next(model.parameters()).device
+    prompt_ids = encode_prompt(tokenizer, prompt, start_token).to(device).repeat(batch_size, 1)
+    sampled = sample_completions_with_logprobs(model, prompt_ids, gen_len, temperature)
+    completions = tokenizer.batch_decode(sampled.sample_ids[:, -gen_len:], skip_special_tokens=True)
+    return sampled, [prompt + completion for completion in completions]
 
 
 @torch.no_grad()
@@ -79,13 +140,6 @@ def get_samples(
     temperature: float = 1.0,
     start_token: str | None = None,
 ) -> tuple[Tensor, list[str]]:
-    """Samples ``batch_size`` completions of ``gen_len`` tokens of one prompt.
-
-    Returns ``sample_ids`` (B, P + T), whose last ``gen_len`` columns are the completions, and
-    ``samples``: prompt + decoded completion (special tokens skipped), the strings rewards score.
-    """
-    device = next(model.parameters()).device
-    prompt_ids = encode_prompt(tokenizer, prompt, start_token).to(device).repeat(batch_size, 1)
-    sample_ids = sample_completions(model, prompt_ids, gen_len, temperature)
-    completions = tokenizer.batch_decode(sample_ids[:, -gen_len:], skip_special_tokens=True)
-    return sample_ids, [prompt + completion for completion in completions]
+    """The reference's interface to ``sample_group``: returns ``sample_ids`` (B, P + T) and ``samples``."""
+    sampled, samples = sample_group(model, tokenizer, prompt, batch_size, gen_len, temperature, start_token)
+    return sampled.sample_ids, samples

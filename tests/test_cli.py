@@ -89,15 +89,34 @@ def test_fit_from_the_command_line_writes_logs_checkpoint_and_export(tiny_model_
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0})
+    events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "tensors": 0, "histograms": 0})
     events.Reload()
     scalars = set(events.Tags()["scalars"])
-    per_phase = {"rollout/reward_mean", "rollout/reward_std", "rollout/reward_min", "rollout/reward_max", "rollout/kl"}
-    per_step = {"train/objective", "train/clipped_surrogate", "train/kl_penalty", "train/clip_fraction", "train/lr", "train/grad_norm"}
-    assert per_phase | per_step <= scalars
+    per_phase = {
+        "rollout/reward_mean", "rollout/reward_std", "rollout/reward_min", "rollout/reward_max",
+        "rollout/kl_k1", "rollout/kl_k3", "rollout/entropy", "rollout/zero_advantage_groups",
+        "rollout/distinct_samples", "rollout/distinct_1", "rollout/distinct_2",
+        "train/ratio_mean_phase", "train/ratio_max_phase",
+        "perf/generate_s", "perf/score_s", "perf/ref_logprobs_s", "perf/learn_s", "perf/phase_s",
+        "perf/generated_tokens_per_s",
+    }  # fmt: skip
+    per_step = {
+        "train/objective", "train/clipped_surrogate", "train/kl_penalty", "train/clip_fraction",
+        "train/ratio_mean", "train/ratio_max", "train/lr", "train/grad_norm",
+    }  # fmt: skip
+    assert per_phase | per_step <= scalars, sorted(per_phase | per_step - scalars)
     assert [len(events.Scalars(tag)) for tag in sorted(per_phase)] == [2] * len(per_phase)
     assert [len(events.Scalars(tag)) for tag in sorted(per_step)] == [8] * len(per_step)  # 2 phases x 2 minibatches x 2 passes
+    # 16 tokens generated per phase (4 completions x 4 tokens): tokens/s x seconds gives them back.
+    for rate, seconds in zip(events.Scalars("perf/generated_tokens_per_s"), events.Scalars("perf/generate_s")):
+        assert rate.value * seconds.value == pytest.approx(16, rel=1e-5)
+    for distinct in events.Scalars("rollout/distinct_samples"):
+        assert distinct.value in (0.25, 0.5, 0.75, 1.0)  # 1 to 4 distinct of 4 completions
+    assert {"rollout/rewards", "rollout/advantages"} <= set(events.Tags()["histograms"])
+    assert [len(events.Histograms(tag)) for tag in ("rollout/rewards", "rollout/advantages")] == [2, 2]
     assert "rollout/samples/text_summary" in events.Tags()["tensors"]
+    table = events.Tensors("rollout/samples/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert "Advantage" in table and table.count("\n") >= 4 + 1  # header, rule and all 4 samples (8 asked)
 
 
 def test_python_dash_m_and_console_script_start_the_cli():
