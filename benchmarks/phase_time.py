@@ -6,37 +6,35 @@ Usage:
 
 What is measured
 ----------------
-One phase does what ``GRPOModule`` does in one epoch. It calls the same library functions in the same
-order, with a policy and a frozen reference model (kl_coef = 0.3), but without the Lightning Trainer:
+The library itself: a ``GRPOModule`` trained by a Lightning ``Trainer`` (CPU, the given precision, no logger
+and no checkpoint callback), with the module's defaults for everything the workload does not set (kl_coef 0.3,
+so a reference model is used; reward: the period count). The parts are the module's own per-phase timers, the
+ones it logs to TensorBoard under ``perf/``:
 
-  generate  get_samples: KV-cached sampling of batch_size completions of gen_len tokens, then decoding
-  old-lp    get_logprobs_batched(policy): log pi_old of the generated tokens, minibatch_size sequences a time
-  ref-lp    get_logprobs_batched(reference): log pi_ref, chunked the same way
-  learn     for each minibatch of ReplayMemory.get_minibatches (num_minibatches x batches_per_learning_phase):
-            get_logits + get_logprobs + calc_clipped_surrogate_objective - calc_kl_penalty (the forward pass),
-            then zero_grad, backward, clip_grad_norm_(max_norm=1.0) and the AdamW(maximize=True) step
-  total     wall time of the whole phase: the parts above, plus scoring (reward_fn_char_count), advantages
-            (compute_grpo_advantages), building the ReplayMemory and the once-per-phase LR scheduler step
+  generate  KV-cached sampling of batch_size completions of gen_len tokens, keeping log pi_old of each token
+            (and the entropy), then decoding
+  old-lp    a separate forward pass for log pi_old: 0 unless --recompute-old-logprobs (the reference's way)
+  ref-lp    log pi_ref of the group, minibatch_size sequences at a time (the reference copy, or the policy with
+            its adapters disabled under LoRA)
+  learn     the training steps of the phase: forward, clipped surrogate - k2 penalty, backward, gradient
+            clipping, fused AdamW(maximize=True) step and Lightning's per-step logging
+  total     the whole phase: the parts above plus scoring, advantages, the replay memory and the logging of
+            the rollout statistics. Checkpoint writing is not included ("ckpt MiB" gives its size).
 
-Not included: Lightning's own per-step work (log_dict, the grad_norm and clip_fraction statistics, loop
-bookkeeping). It is small next to the forward and backward passes.
+Fine-tuning: "full" trains the whole policy next to a frozen reference copy; "lora" uses ``lora: true``
+(LoraSettings() defaults): adapters only, the reference being the same model with its adapters disabled.
+"ckpt MiB" is the size of a Lightning checkpoint of the run (``trainer.save_checkpoint``): trained weights
+(all, or the adapters only) and optimizer state.
 
-Fine-tuning: "full" trains the whole policy next to a frozen reference copy; "lora" wraps the policy with
-LoRA adapters (LoraSettings() defaults) and takes reference log-probabilities from the same model with its
-adapters disabled, as the module does with ``lora: true``. "ckpt MiB" is the size of what a checkpoint
-holds: the trained weights (all, or the adapters only) and the optimizer state.
-
-Precision: "32-true" runs everything in fp32. "bf16-mixed" puts the rollout (generation and both log-prob
-passes) and every learning forward inside torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False),
-which is the context Lightning's bf16-mixed plugin uses. Backward, gradient clipping and the AdamW step run
-outside autocast, on the fp32 weights.
+Precision: the Trainer's precision, "32-true" or "bf16-mixed" (autocast to bf16 around the rollout and every
+training_step; weights, gradients, optimizer state and log-softmax stay fp32).
 
 Workloads: "default" is the reference's setting (batch 128, gen_len 30, 4 minibatches, 2 passes, prompt
 "This is"). "small" is batch 32, gen_len 30, 2 minibatches, 1 pass.
 
-Each (workload, precision) pair runs in a fresh subprocess, so its peak resident memory (ru_maxrss, which is
-the maximum over the process's whole life) belongs to that pair alone. Each subprocess first runs one warm-up
-phase that is not counted: it allocates the AdamW state and primes the oneDNN kernels. The table shows the
+Each (workload, precision, finetune) runs in a fresh subprocess, so its peak resident memory (ru_maxrss, the
+maximum over the process's whole life, read at the end of training) belongs to it alone. Each subprocess first
+runs one warm-up phase that is not counted: it allocates the AdamW state and primes the oneDNN kernels. The table shows the
 mean of the --phases measured phases, and the JSON (--out) keeps every phase.
 
 FLOP model (matmuls only: elementwise ops, softmax, norms and the optimizer are not counted)
@@ -51,7 +49,8 @@ A forward pass over b sequences that adds n new positions after c cached ones, w
                                             pair; a causal query at position p sees p keys; d_attn = heads*head_dim
   generation = prompt forward (n = P, c = 0, L = 1) + (gen_len - 1) one-token steps (n = 1, c = P + t, L = 1)
   log-probs  = one forward of the whole group (n = P + gen_len, c = 0, L = gen_len + 1, from logits_to_keep)
-  learning   = 3 x the forward of every minibatch (backward = 2 x forward), summed over all minibatches
+  learning   = 3 x the forward of every minibatch (backward = 2 x forward), summed over all minibatches; these
+               are model FLOPs: the forward that --activation-checkpointing repeats is not counted as work
 For the embedded SmolLM2-135M (N = 106.2M, d_model = 576, V = 49152, 30 layers, d_attn = 576, P = 3 tokens for
 "<|endoftext|>This is"), one forward of the default group (128 x 33 tokens) is 1.13 TFLOP (897 GFLOP of layer matmuls,
 225 of lm head, 5 of attention), so a default learning phase is 3 x 2 passes x 1.13 = 6.8 TFLOP, and a small one
@@ -76,6 +75,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import io
 import json
 import os
 import platform
@@ -87,28 +87,13 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 
+import lightning as L
 import psutil
 import torch
 import transformers
 
-from grpo_lightning import (
-    GRPO_Args,
-    ReplayMemory,
-    calc_clipped_surrogate_objective,
-    calc_kl_penalty,
-    compute_grpo_advantages,
-    get_logits,
-    get_logprobs,
-    get_logprobs_batched,
-    get_optimizer_and_scheduler,
-    get_samples,
-    load_causal_lm,
-    load_tokenizer,
-)
-from grpo_lightning.lora import LoraSettings, apply_lora
-from grpo_lightning.module import phase_seed
+from grpo_lightning import GRPO_Args, GRPOModule
 from grpo_lightning.sampling import encode_prompt
-from rewards import reward_fn_char_count
 
 WORKLOADS = {
     "small": dict(batch_size=32, gen_len=30, num_minibatches=2, batches_per_learning_phase=1, prompt="This is"),
@@ -126,100 +111,46 @@ BUSY_LOADAVG = 0.5  # 1-minute load average above which the machine counts as bu
 BUSY_PROCESS_CPU = 10.0  # % of one core that another process may use before it is named in the warning
 
 
-# ---- one phase, as GRPOModule runs it --------------------------------------------------------
+# ---- phases, as GRPOModule runs them under a Lightning Trainer ---------------------------------
 
 
-@dataclass
-class Setup:
-    """Everything a phase needs; built once per subprocess, like the module's configure_* hooks."""
+class PhaseRecorder(L.Callback):
+    """Copies the module's per-part timer at the end of every phase (epoch), with the CPU use of the phase."""
 
-    args: GRPO_Args
-    precision: str
-    tokenizer: object
-    policy: torch.nn.Module
-    ref_model: torch.nn.Module | None  # None with LoRA
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    def __init__(self) -> None:
+        self.phases: list[dict[str, float]] = []
 
+    def on_train_epoch_start(self, trainer, module) -> None:
+        self._start = (time.perf_counter(), cpu_seconds())
 
-def make_args(workload: str, phases: int) -> GRPO_Args:
-    # total_phases only shapes the LR schedule, which asserts that it is never stepped past its end.
-    total_phases = max(GRPO_Args.total_phases, WARMUP_PHASES + phases)
-    return GRPO_Args(seed=SEED, total_phases=total_phases, **WORKLOADS[workload])
+    def on_train_epoch_end(self, trainer, module) -> None:
+        seconds = {**module.timer.seconds, "phase": module.timer.phase_seconds}
+        phase = {part: seconds.get(TIMER_PARTS[part], 0.0) for part in (*PARTS, "total")}
+        wall, cpu = time.perf_counter() - self._start[0], cpu_seconds() - self._start[1]
+        phase["cpu_util"] = cpu / (wall * torch.get_num_threads())
+        self.phases.append(phase)
 
 
-def setup(workload: str, precision: str, phases: int, model: str | None, finetune: str = "full") -> Setup:
-    args = make_args(workload, phases)
-    policy = load_causal_lm(model)
-    if finetune == "lora":
-        policy, ref_model = apply_lora(policy, LoraSettings()), None  # one model in memory
-    else:
-        ref_model = load_causal_lm(model).requires_grad_(False)  # the module's frozen reference (kl_coef > 0)
-    optimizer, scheduler = get_optimizer_and_scheduler(args, policy)
-    return Setup(args, precision, load_tokenizer(model), policy, ref_model, optimizer, scheduler)
+# benchmark part -> the module's PhaseTimer name (old log-probs are only timed when recomputed)
+TIMER_PARTS = {"generate": "generate", "old_lp": "old_logprobs", "ref_lp": "ref_logprobs", "learn": "learn",
+               "total": "phase"}  # fmt: skip
 
 
-def forward_context(precision: str):
-    """The context Lightning's precision plugin puts around the rollout and each training_step."""
-    if precision == "bf16-mixed":
-        return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
-    return contextlib.nullcontext()
+def make_module(workload: str, phases: int, model: str | None, finetune: str, opts) -> GRPOModule:
+    return GRPOModule(
+        model_name_or_path=model, total_phases=WARMUP_PHASES + phases, warmup_steps=0, seed=SEED, kl_coef=0.3,
+        lora=finetune == "lora", samples_shown=0, export_dir=None,
+        recompute_old_logprobs=opts.recompute_old_logprobs, activation_checkpointing=opts.activation_checkpointing,
+        **WORKLOADS[workload],
+    )  # fmt: skip
 
 
-@contextlib.contextmanager
-def timed(times: dict[str, float], key: str):
-    start = time.perf_counter()
-    yield
-    times[key] = time.perf_counter() - start
-
-
-def run_phase(s: Setup, phase: int) -> dict[str, float]:
-    """One rollout + learning phase (GRPOModule.on_train_epoch_start + the epoch's training steps);
-    returns the seconds of each part and of the whole phase."""
-    args, times = s.args, {}
-    start = time.perf_counter()
-    s.policy.eval()
-    seed = phase_seed(args.seed, phase, rank=0)
-    torch.manual_seed(seed)
-    shuffle = torch.Generator().manual_seed(seed + 1)
-
-    with torch.no_grad(), forward_context(s.precision):
-        with timed(times, "generate"):
-            sample_ids, samples = get_samples(
-                s.policy, s.tokenizer, args.prompt, args.batch_size, args.gen_len, args.temperature
-            )
-        advantages = compute_grpo_advantages(reward_fn_char_count(samples))
-        with timed(times, "old_lp"):
-            logprobs = get_logprobs_batched(s.policy, sample_ids, args.gen_len, args.minibatch_size)
-        with timed(times, "ref_lp"):
-            if s.ref_model is None:  # LoRA: the reference is the policy without its adapters
-                with s.policy.disable_adapter():
-                    ref_logprobs = get_logprobs_batched(s.policy, sample_ids, args.gen_len, args.minibatch_size)
-            else:
-                ref_logprobs = get_logprobs_batched(s.ref_model, sample_ids, args.gen_len, args.minibatch_size)
-    memory = ReplayMemory(args, sample_ids, logprobs, ref_logprobs, advantages)
-
-    with timed(times, "learn"):
-        for minibatch in memory.get_minibatches(shuffle):
-            learning_step(s, minibatch)
-    s.scheduler.step()  # the module's scheduler interval is "epoch", i.e. once per phase
-    times["total"] = time.perf_counter() - start
-    return times
-
-
-def learning_step(s: Setup, minibatch) -> None:
-    """GRPOModule.training_step plus what Lightning's automatic optimization does around it, in its order."""
-    args = s.args
-    with forward_context(s.precision):
-        logits = get_logits(s.policy, minibatch.sample_ids, args.gen_len)
-        logprobs = get_logprobs(logits, minibatch.sample_ids, args.gen_len)
-        surrogate = calc_clipped_surrogate_objective(logprobs, minibatch.logprobs, minibatch.advantages, args.clip_coef)
-        objective = surrogate - calc_kl_penalty(logprobs, minibatch.ref_logprobs, args.kl_coef)
-    s.optimizer.zero_grad()
-    objective.backward()  # not negated: AdamW(maximize=True) climbs the objective
-    params = [p for group in s.optimizer.param_groups for p in group["params"]]
-    torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-    s.optimizer.step()
+def make_trainer(precision: str, total_phases: int, root: str, recorder: PhaseRecorder) -> L.Trainer:
+    return L.Trainer(
+        max_epochs=total_phases, precision=precision, accelerator="cpu", devices=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        callbacks=[recorder],
+    )  # fmt: skip
 
 
 # ---- FLOP model (see the module docstring) ---------------------------------------------------
@@ -263,7 +194,7 @@ def forward_flops(dims: ModelDims, batch: int, new: int, cached: int, logit_posi
     return matmul + head + attention
 
 
-def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int, finetune: str = "full") -> dict[str, int]:
+def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int, finetune: str, opts) -> dict[str, int]:
     batch, gen_len = args.batch_size, args.gen_len
     seq_len = prompt_len + gen_len
     generate = forward_flops(dims, batch, prompt_len, 0, 1) + sum(
@@ -273,8 +204,10 @@ def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int, finetune: str
     logprobs = forward_flops(dims, batch, seq_len, 0, gen_len + 1)
     # Every sequence once per pass; backward = 2x forward (activation and weight gradients), or 1x with
     # LoRA, whose frozen base weights need no weight gradients (the adapters' own FLOPs are negligible).
+    # Model FLOPs only: activation checkpointing's recomputed forward is not counted as useful work.
     learn = (3 if finetune == "full" else 2) * logprobs * args.batches_per_learning_phase
-    return {"generate": generate, "old_lp": logprobs, "ref_lp": logprobs, "learn": learn}
+    old_lp = logprobs if opts.recompute_old_logprobs else 0  # by default log pi_old comes from sampling
+    return {"generate": generate, "old_lp": old_lp, "ref_lp": logprobs, "learn": learn}
 
 
 # ---- machine: matmul peak, memory, CPU use -----------------------------------------------------
@@ -340,44 +273,37 @@ def busy_machine_warning(sample_s: float = 1.0) -> str | None:
 # ---- one (workload, precision) measurement: runs in its own subprocess ----------------------------
 
 
-def checkpoint_mib(s: Setup) -> float:
-    """Size of what a Lightning checkpoint of this run holds: the trained weights (all of the policy, or
-    only the adapters with LoRA, whose frozen base the module keeps out) and the optimizer state."""
-    weights = {name: p for name, p in s.policy.named_parameters() if p.requires_grad}
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "checkpoint.pt")
-        torch.save({"state_dict": weights, "optimizer": s.optimizer.state_dict()}, path)
-        return os.path.getsize(path) / 2**20
-
-
-def measure(workload: str, precision: str, phases: int, model: str | None, finetune: str = "full") -> dict:
+def measure(workload: str, precision: str, phases: int, model: str | None, finetune: str, opts) -> dict:
     loadavg_start = os.getloadavg()[0]
     transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per model would clutter the report
-    s = setup(workload, precision, phases, model, finetune)
-    rss_after_load = peak_rss_mib()  # a baseline only: weights read lazily from disk count once they are touched
-    base = s.policy.get_base_model() if finetune == "lora" else s.policy
+    module = make_module(workload, phases, model, finetune, opts)
+    recorder = PhaseRecorder()
+    with tempfile.TemporaryDirectory() as root, contextlib.redirect_stdout(io.StringIO()):
+        trainer = make_trainer(precision, WARMUP_PHASES + phases, root, recorder)
+        trainer.fit(module)
+        peak_rss = peak_rss_mib()  # read before the checkpoint and the peak GEMMs allocate their own buffers
+        checkpoint_path = os.path.join(root, "phase.ckpt")
+        trainer.save_checkpoint(checkpoint_path)  # what ModelCheckpoint writes every phase
+        checkpoint_size = os.path.getsize(checkpoint_path) / 2**20
+
+    per_phase = recorder.phases[WARMUP_PHASES:]
+    base = module.policy.get_base_model() if finetune == "lora" else module.policy
     dims = model_dims(base)
-    prompt_len = encode_prompt(s.tokenizer, s.args.prompt).shape[1]
-    flops = phase_flops(dims, s.args, prompt_len, finetune)
-
-    for phase in range(WARMUP_PHASES):
-        run_phase(s, phase)
-    wall_start, cpu_start = time.perf_counter(), cpu_seconds()
-    per_phase = [run_phase(s, WARMUP_PHASES + i) for i in range(phases)]
-    cpu_util = (cpu_seconds() - cpu_start) / ((time.perf_counter() - wall_start) * torch.get_num_threads())
-    peak_rss = peak_rss_mib()  # read before the peak GEMMs allocate their own buffers
-    checkpoint_size = checkpoint_mib(s)
-
-    peaks = measure_peaks(dims, s.args, prompt_len)
+    prompt_len = encode_prompt(module.tokenizer, module.args.prompt).shape[1]
+    flops = phase_flops(dims, module.args, prompt_len, finetune, opts)
+    peaks = measure_peaks(dims, module.args, prompt_len)
     peak = peaks[COMPUTE_DTYPE[precision]]
     mean_s = {key: statistics.mean(t[key] for t in per_phase) for key in (*PARTS, "total")}
-    gflops = {part: flops[part] / mean_s[part] / 1e9 for part in PARTS}
+    gflops = {part: flops[part] / mean_s[part] / 1e9 if mean_s[part] > 0 else 0.0 for part in PARTS}
+    cpu_util = statistics.mean(t["cpu_util"] for t in per_phase)
     return {
         "workload": workload,
         "precision": precision,
         "finetune": finetune,
         "compute_dtype": COMPUTE_DTYPE[precision],
         "settings": WORKLOADS[workload],
+        "options": {"recompute_old_logprobs": opts.recompute_old_logprobs,
+                    "activation_checkpointing": opts.activation_checkpointing},  # fmt: skip
         "prompt_tokens": prompt_len,
         "model": model or "SmolLM2-135M-Instruct (embedded)",
         "model_dims": asdict(dims),
@@ -386,14 +312,13 @@ def measure(workload: str, precision: str, phases: int, model: str | None, finet
         "warmup_phases": WARMUP_PHASES,
         "phases_s": per_phase,
         "mean_s": mean_s,
-        "generated_tokens_per_s": s.args.batch_size * s.args.gen_len / mean_s["generate"],
+        "generated_tokens_per_s": module.args.batch_size * module.args.gen_len / mean_s["generate"],
         "gflop_per_phase": {part: f / 1e9 for part, f in flops.items()},
         "gflops_per_s": gflops,
         "fraction_of_peak": {part: g / peak for part, g in gflops.items()},
         "matmul_peak_gflops_per_s": peaks,
         "peak_rss_mib": peak_rss,
         "checkpoint_mib": checkpoint_size,
-        "rss_after_load_mib": rss_after_load,
         "cpu_util": cpu_util,
     }
 
@@ -406,6 +331,8 @@ def measure_in_subprocess(workload: str, precision: str, finetune: str, opts: ar
                    "--finetune", finetune, "--phases", str(opts.phases), "--child-result", result_path]  # fmt: skip
         if opts.model is not None:
             command += ["--model", opts.model]
+        command += ["--recompute-old-logprobs"] * opts.recompute_old_logprobs
+        command += ["--activation-checkpointing"] * opts.activation_checkpointing
         completed = subprocess.run(command)
         if completed.returncode != 0:
             raise SystemExit(
@@ -505,6 +432,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--phases", type=int, default=2, help="measured phases per run, after one warm-up (default 2)")
     parser.add_argument("--model", default=None, help="model directory or hub id (default: the embedded SmolLM2-135M)")
     parser.add_argument("--out", default=None, help="also write the results as JSON to this file")
+    parser.add_argument("--recompute-old-logprobs", action="store_true",
+                        help="recompute log pi_old with a forward pass, as the reference does (model option)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="recompute layer activations in backward to save memory (model option)")
     # Internal: set when the script re-runs itself to measure one (workload, precision) pair.
     parser.add_argument("--child-result", default=None, help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
@@ -518,7 +449,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     opts = parse_args(argv)
     if opts.child_result:
-        result = measure(opts.workload, opts.precision, opts.phases, opts.model, opts.finetune)
+        result = measure(opts.workload, opts.precision, opts.phases, opts.model, opts.finetune, opts)
         with open(opts.child_result, "w") as f:
             json.dump(result, f)
         return

@@ -246,10 +246,22 @@ class GRPOModule(L.LightningModule):
         torch.manual_seed(seed)
         self._shuffle_generator = torch.Generator().manual_seed(seed + 1)
         self.timer.reset()
-        # Same autocast as training_step, so the first minibatch's importance ratio is 1 (up to the
-        # rounding of that precision when log pi_old comes from the KV-cached sampling pass).
-        with torch.no_grad(), self.trainer.precision_plugin.forward_context():
+        with torch.no_grad(), self.rollout_precision_context(), self.timer.measure("rollout"):
             self.memory = self.rollout_phase()
+
+    def rollout_precision_context(self):
+        """The precision context of ``training_step``, so the first minibatch's importance ratio is 1 (up to
+        that precision's rounding, since log pi_old comes from the KV-cached sampling pass).
+
+        Under mixed precision it is Lightning's autocast with the cast-weight cache switched on: the
+        weights do not change during the rollout, so each is cast to bf16 once, not once per generated
+        token (Lightning turns the cache off because training steps change the weights)."""
+        plugin = self.trainer.precision_plugin
+        autocast = getattr(plugin, "autocast_context_manager", None)  # Lightning's MixedPrecision plugin
+        if autocast is not None:
+            lightning_autocast = autocast()
+            return torch.autocast(lightning_autocast.device, dtype=lightning_autocast.fast_dtype, cache_enabled=True)
+        return plugin.forward_context()
 
     def rollout_phase(self) -> ReplayMemory:
         args, timer = self.args, self.timer
@@ -312,9 +324,8 @@ class GRPOModule(L.LightningModule):
         self.timer.seconds["learn"] = self.timer.seconds.get("learn", 0.0) + time.perf_counter() - self._step_start
 
     def on_train_epoch_end(self) -> None:
-        self.timer.seconds["phase"] = sum(self.timer.seconds.values())
         generated_tokens = self.args.batch_size * self.args.gen_len
-        self.log_dict(perf_scalars(self.timer.seconds, generated_tokens), on_step=False, on_epoch=True, batch_size=1)
+        self.log_dict(perf_scalars(self.timer, generated_tokens), on_step=False, on_epoch=True, batch_size=1)
 
     # ---- learning phase --------------------------------------------------------------------
 

@@ -72,10 +72,16 @@ def write_histograms(experiment, record: RolloutRecord, step: int) -> None:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named part of a phase (generate, score, ...), reset each phase."""
+    """Wall-clock seconds per named part of a phase, reset each phase: ``rollout`` (which contains
+    ``generate``, ``score``, ``old_logprobs`` and ``ref_logprobs``) and ``learn`` (the training steps)."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+
+    @property
+    def phase_seconds(self) -> float:
+        """The whole phase: rollout + learning (checkpoint writing excluded)."""
+        return self.seconds.get("rollout", 0.0) + self.seconds.get("learn", 0.0)
 
     def reset(self) -> None:
         self.seconds = {}
@@ -89,8 +95,9 @@ class PhaseTimer:
             self.seconds[part] = self.seconds.get(part, 0.0) + time.perf_counter() - start
 
 
-def perf_scalars(seconds: dict[str, float], generated_tokens: int) -> dict[str, Tensor]:
-    """``perf/<part>_s`` for each timed part, and generated tokens per second of sampling."""
+def perf_scalars(timer: PhaseTimer, generated_tokens: int) -> dict[str, Tensor]:
+    """``perf/<part>_s`` for each timed part and the whole phase, and generated tokens per second."""
+    seconds = {**timer.seconds, "phase": timer.phase_seconds}
     scalars = {f"perf/{part}_s": torch.tensor(value) for part, value in seconds.items()}
     if seconds.get("generate", 0.0) > 0:
         scalars["perf/generated_tokens_per_s"] = torch.tensor(generated_tokens / seconds["generate"])
