@@ -139,16 +139,19 @@ def load_tokenizer(name_or_path: str | None):
         raise _load_error(path, error) from error
 
 
-def load_causal_lm(name_or_path: str | None) -> torch.nn.Module:
+def load_causal_lm(name_or_path: str | None, attn_implementation: str | None = None) -> torch.nn.Module:
     """A causal LM in float32 and eval mode (no dropout: rollout, learning and reference
-    log-probabilities must be computed by the same deterministic function)."""
+    log-probabilities must be computed by the same deterministic function).
+
+    ``attn_implementation``: transformers' name ("eager", "sdpa", ...); None keeps its default."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(name_or_path)
+    options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
     try:
         # float32 explicitly: transformers otherwise keeps the checkpoint's own dtype. Mixed precision
         # is Lightning's job (Trainer(precision=...)), not the stored weights'.
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **options)
     except (OSError, ValueError) as error:
         raise _load_error(path, error) from error
     model.generation_config.eos_token_id = None

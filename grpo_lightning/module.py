@@ -33,6 +33,7 @@ from .activation_checkpointing import enable_activation_checkpointing, flag_chec
 from .config import GRPO_Args, GRPOConfigError
 from .kl import KL_ESTIMATORS, kl_in_reward, kl_loss_penalty
 from .lora import LoraSettings, apply_lora
+from .machine import competing_processes, cpu_contention_warning
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
 from .models import check_model_name, load_causal_lm, load_tokenizer
 from .objectives import (
@@ -48,8 +49,12 @@ from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scal
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .reward_checks import score_samples
 from .rollout_stats import importance_ratio_stats
-from .sampling import sample_group
+from .sampling import encode_prompt, sample_group
 
+
+# Up to this many tokens per sequence, plain ("eager") attention beats the fused kernel on CPU (a
+# learning step of 32 x 33 tokens of SmolLM2-135M: 3.16 s against 3.54 s); its seq x seq matrices stay small.
+SHORT_SEQUENCE_TOKENS = 64
 
 # Submodules that never train: kept out of checkpoints (and forgiven when loading), together with
 # every other parameter that does not require grad (the frozen base weights under LoRA).
@@ -97,6 +102,7 @@ class GRPOModule(L.LightningModule):
         lora: bool | LoraSettings = False,
         recompute_old_logprobs: bool = False,
         activation_checkpointing: bool = False,
+        attn_implementation: str | None = None,
     ):
         """
         Args:
@@ -139,6 +145,10 @@ class GRPOModule(L.LightningModule):
             activation_checkpointing: recompute each decoder layer's activations in the backward pass
                 instead of keeping them: much less memory in the learning phase, about a third more
                 compute there. See ``grpo_lightning.activation_checkpointing``.
+            attn_implementation: the policy's attention kernel, as transformers names it ("eager",
+                "sdpa", ...); null picks "eager" for sequences (prompt + gen_len) of at most
+                64 tokens, where it is 10-15% faster on CPU than the fused kernel, and transformers'
+                default otherwise (eager attention keeps a seq x seq matrix per head for backward).
         """
         super().__init__()
         check_model_name(model_name_or_path)
@@ -164,6 +174,7 @@ class GRPOModule(L.LightningModule):
         self.export_dir = export_dir
         self.recompute_old_logprobs = recompute_old_logprobs
         self.activation_checkpointing = activation_checkpointing
+        self.attn_implementation = attn_implementation
         if isinstance(lora, dict):  # as stored in a checkpoint's hyperparameters
             lora = LoraSettings(**lora)
         self.lora: LoraSettings | None = LoraSettings() if lora is True else (lora or None)
@@ -201,14 +212,22 @@ class GRPOModule(L.LightningModule):
             return
         prepare_reward(self.reward)  # load a reward model now: a missing classifier fails before training
         self.tokenizer = load_tokenizer(self.args.base_model)
-        self.policy = load_causal_lm(self.args.base_model)
+        attention = self.attention_kernel()
+        self.policy = load_causal_lm(self.args.base_model, attention)
         if self.lora is not None:
             # The reference is this same network with its adapters disabled: no second copy.
             self.policy = apply_lora(self.policy, self.lora, seed=self.args.seed)
         elif self.uses_reference:
-            self.ref_model = load_causal_lm(self.args.base_model).requires_grad_(False)
+            self.ref_model = load_causal_lm(self.args.base_model, attention).requires_grad_(False)
         if self.activation_checkpointing:
             enable_activation_checkpointing(self.policy)
+
+    def attention_kernel(self) -> str | None:
+        """``attn_implementation``, or for null: "eager" for short sequences, else transformers' default."""
+        if self.attn_implementation is not None:
+            return self.attn_implementation
+        prompt_tokens = encode_prompt(self.tokenizer, self.args.prompt, self.start_token).shape[1]
+        return "eager" if prompt_tokens + self.args.gen_len <= SHORT_SEQUENCE_TOKENS else None
 
     @property
     def on_policy(self) -> bool:
@@ -235,6 +254,12 @@ class GRPOModule(L.LightningModule):
                 f"trainer.max_epochs ({max_epochs}) must equal model.total_phases ({self.args.total_phases}): "
                 "one epoch is one GRPO phase and the LR schedule is laid out over total_phases"
             )
+        # One process on the CPU: say so if others compete for its cores (other ranks of a multi-process
+        # run would count as competitors, so only single-process runs check).
+        if self.device.type == "cpu" and self.trainer.world_size == 1:
+            message = cpu_contention_warning(competing_processes())
+            if message:
+                warnings.warn(message, stacklevel=1)
 
     def on_train_epoch_start(self) -> None:
         # eval() switches off dropout only (gradients still flow): rollout, learning and reference

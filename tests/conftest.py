@@ -58,3 +58,9 @@ def tiny_model_dir(tmp_path_factory) -> str:
     build_tiny_llama(len(tokenizer)).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def no_cpu_contention_check(monkeypatch):
+    """Fits skip the half-second look at other processes (tests/test_machine.py checks it)."""
+    monkeypatch.setattr("grpo_lightning.module.competing_processes", lambda: [])

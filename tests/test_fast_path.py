@@ -197,3 +197,16 @@ def test_k3_estimator_is_the_loss_penalty(tiny_model_dir, tmp_path):
 def test_unknown_kl_estimator_is_refused():
     with pytest.raises(GRPOConfigError, match="kl_estimator \\('k4'\\) must be one of 'k2', 'k3', 'k1_reward'"):
         GRPOModule(reward=completion_length, kl_estimator="k4")
+
+
+def test_attention_kernel_is_eager_for_short_sequences_only(tiny_model_dir):
+    short = make_module(tiny_model_dir, gen_len=4)
+    short.configure_model()
+    assert short.attention_kernel() == "eager"
+    assert short.policy.config._attn_implementation == short.ref_model.config._attn_implementation == "eager"
+    long = make_module(tiny_model_dir, gen_len=100)  # 100 + prompt tokens > 64: transformers' default
+    long.tokenizer = short.tokenizer
+    assert long.attention_kernel() is None
+    chosen = make_module(tiny_model_dir, gen_len=4, attn_implementation="sdpa")
+    chosen.tokenizer = short.tokenizer
+    assert chosen.attention_kernel() == "sdpa"

@@ -94,7 +94,11 @@ def test_two_phase_fit_steps_in_every_phase_and_changes_only_the_policy(tiny_mod
     assert all(torch.equal(v, ref_before[k]) for k, v in module.ref_model.state_dict().items())
 
 
-def test_first_minibatch_ratio_is_exactly_one_in_fp32(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("recompute, atol", [(True, 1e-6), (False, 1e-5)], ids=["recomputed", "from-sampling"])
+def test_first_minibatch_ratio_is_one_in_fp32(tiny_model_dir, tmp_path, recompute, atol):
+    """The first step's policy is the one that sampled, so the ratio is 1 up to float32 rounding: of a
+    different batch layout when log pi_old is recomputed like the reference does (chunks of the group
+    in order, not the shuffled minibatch), and of the KV-cached pass when kept from sampling (default)."""
     ratios = []
 
     class RatioProbe(GRPOModule):
@@ -107,10 +111,11 @@ def test_first_minibatch_ratio_is_exactly_one_in_fp32(tiny_model_dir, tmp_path):
                 ratios.append((logprobs - minibatch.logprobs).exp())
             return super().training_step(minibatch, batch_idx)
 
-    module = RatioProbe(model_name_or_path=tiny_model_dir, total_phases=1, warmup_steps=0, **PHASE)
+    module = RatioProbe(model_name_or_path=tiny_model_dir, total_phases=1, warmup_steps=0,
+                        recompute_old_logprobs=recompute, **PHASE)  # fmt: skip
     make_trainer(tmp_path, total_phases=1).fit(module)
     assert len(ratios) == 1
-    torch.testing.assert_close(ratios[0], torch.ones(2, 4), rtol=0, atol=0)
+    torch.testing.assert_close(ratios[0], torch.ones(2, 4), rtol=0, atol=atol)
 
 
 def test_reference_model_is_out_of_checkpoint_and_optimizer_and_resume_is_strict(tiny_model_dir, tmp_path):
