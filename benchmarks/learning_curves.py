@@ -30,15 +30,17 @@ import time
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
-def run_once(config: str, precision: str, seed: int, extra: list[str]) -> dict:
-    """One fit in a subprocess; returns its per-phase mean rewards and wall time."""
+def run_once(config: str, precision: str, seed: int, extra: list[str], keep_root: str | None = None) -> dict:
+    """One fit in a subprocess; returns its per-phase mean rewards and wall time. With ``keep_root`` the run's
+    directory (TensorBoard events, checkpoints) is kept under it, as ``<precision>_seed<seed>``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    with tempfile.TemporaryDirectory() as root:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(keep_root, f"{precision}_seed{seed}") if keep_root else tmp
         command = [
             sys.executable, "-m", "grpo_lightning", "fit", "--config", config,
             "--model.seed", str(seed), "--trainer.precision", precision, "--trainer.default_root_dir", root,
-            "--trainer.enable_progress_bar", "false", "--model.samples_shown", "0", "--model.export_dir", "null",
+            "--trainer.enable_progress_bar", "false", "--model.export_dir", "null",
             *extra,
         ]  # fmt: skip
         start = time.perf_counter()
@@ -108,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--precisions", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--out", default=None, help="also write the runs and summary as JSON")
+    parser.add_argument("--keep", default=None, metavar="DIR", help="keep each run's directory under DIR")
     opts, extra = parser.parse_known_args(argv)  # anything else goes to grpo-lightning fit, e.g. --model.lr 1e-4
     if not os.path.isfile(opts.config):
         parser.error(f"no config file at {opts.config}")
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     for precision in opts.precisions:
         for seed in opts.seeds:
             print(f"running {opts.config} / {precision} / seed {seed} ...", file=sys.stderr, flush=True)
-            runs.append(run_once(opts.config, precision, seed, extra))
+            runs.append(run_once(opts.config, precision, seed, extra, opts.keep))
             print(f"  {' '.join(f'{v:.2f}' for v in runs[-1]['rewards'])} ({runs[-1]['seconds']:.0f} s)",
                   file=sys.stderr, flush=True)  # fmt: skip
     summary = summarise(runs, opts.precisions)

@@ -12,7 +12,6 @@ Lightning does backward, gradient clipping, precision, devices, checkpoints and 
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import os
 import time
@@ -45,6 +44,7 @@ from .objectives import (
     get_logprobs_batched,
 )
 from .optim import get_optimizer_and_scheduler
+from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen_keys
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .reward_checks import score_samples
@@ -55,10 +55,6 @@ from .sampling import encode_prompt, sample_group
 # Up to this many tokens per sequence, plain ("eager") attention beats the fused kernel on CPU (a
 # learning step of 32 x 33 tokens of SmolLM2-135M: 3.16 s against 3.54 s); its seq x seq matrices stay small.
 SHORT_SEQUENCE_TOKENS = 64
-
-# Submodules that never train: kept out of checkpoints (and forgiven when loading), together with
-# every other parameter that does not require grad (the frozen base weights under LoRA).
-FROZEN_PREFIXES = ("ref_model.", "reward.")
 
 # Intentional, explained choices that Lightning warns about on every run:
 # - the models stay in eval mode while training (no dropout; see on_train_epoch_start);
@@ -197,8 +193,8 @@ class GRPOModule(L.LightningModule):
 
         # The frozen reference and reward models never change: keep them out of checkpoints, and
         # forgive exactly their keys when loading, so that loading stays strict for everything else.
-        self.register_state_dict_post_hook(_drop_frozen_keys)
-        self.register_load_state_dict_post_hook(_forgive_missing_frozen_keys)
+        self.register_state_dict_post_hook(drop_frozen_keys)
+        self.register_load_state_dict_post_hook(forgive_missing_frozen_keys)
 
     # ---- models ----------------------------------------------------------------------------
 
@@ -421,35 +417,4 @@ class GRPOModule(L.LightningModule):
         if self.export_dir is None or not self.trainer.is_global_zero:
             return
         out = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, self.export_dir)
-        if self.lora is not None:
-            self.policy.save_pretrained(os.path.join(out, "adapter"))  # adapter weights only, peft format
-            self.tokenizer.save_pretrained(os.path.join(out, "adapter"))
-            print(f"Saved the LoRA adapter (peft format) to {out}/adapter", flush=True)
-            if not self.lora.merge_on_export:
-                return
-            copy.deepcopy(self.policy).merge_and_unload().save_pretrained(out)
-        else:
-            self.policy.save_pretrained(out)
-        self.tokenizer.save_pretrained(out)
-        print(f"Saved the trained policy and tokenizer (Hugging Face format) to {out}", flush=True)
-
-
-def _is_frozen_key(key: str, frozen_parameters: set[str]) -> bool:
-    return key.startswith(FROZEN_PREFIXES) or key in frozen_parameters
-
-
-def _frozen_parameter_names(module: torch.nn.Module) -> set[str]:
-    # remove_duplicate=False: a tied weight (lm_head = embeddings) has a state-dict key under each name.
-    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
-
-
-def _drop_frozen_keys(module, state_dict, prefix, local_metadata) -> None:
-    frozen = _frozen_parameter_names(module)
-    for key in [k for k in state_dict if _is_frozen_key(k[len(prefix) :], frozen)]:
-        del state_dict[key]
-
-
-def _forgive_missing_frozen_keys(module, incompatible_keys) -> None:
-    frozen = _frozen_parameter_names(module)
-    missing = incompatible_keys.missing_keys
-    missing[:] = [k for k in missing if not _is_frozen_key(k, frozen)]
+        export_policy(self.policy, self.tokenizer, out, self.lora)

@@ -74,7 +74,13 @@ def get_logprobs_batched(model: torch.nn.Module, sample_ids: Tensor, gen_len: in
 
 # The estimators and the chapter's penalty functions live in grpo_lightning.kl; re-exported here under
 # the names code written against this module imports.
-from .kl import calc_kl_penalty, calc_kl_penalty_naive, kl_k1, kl_k2, kl_k3  # noqa: E402,F401
+from .kl import calc_kl_penalty, calc_kl_penalty_naive, kl_k1, kl_k2, kl_k3  # noqa: E402
+
+__all__ = [
+    "compute_grpo_advantages", "get_logprobs", "get_logits", "get_logprobs_batched",
+    "calc_kl_penalty", "calc_kl_penalty_naive", "kl_k1", "kl_k2", "kl_k3",
+    "calc_clipped_surrogate_objective", "clip_fraction",
+]  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------
