@@ -93,6 +93,7 @@ import torch
 import transformers
 
 from grpo_lightning import GRPO_Args, GRPOModule
+from grpo_lightning.machine import competing_processes
 from grpo_lightning.sampling import encode_prompt
 
 WORKLOADS = {
@@ -250,17 +251,7 @@ def cpu_seconds() -> float:
 def busy_machine_warning(sample_s: float = 1.0) -> str | None:
     """A warning when other work is using the CPU, or None when the machine looks idle."""
     load1 = os.getloadavg()[0]
-    others = [p for p in psutil.process_iter(["name"]) if p.pid != os.getpid()]
-    for p in others:  # the first cpu_percent call only starts each process's measurement window
-        with contextlib.suppress(psutil.Error):
-            p.cpu_percent(None)
-    time.sleep(sample_s)
-    busy = []
-    for p in others:
-        with contextlib.suppress(psutil.Error):
-            percent = p.cpu_percent(None)
-            if percent >= BUSY_PROCESS_CPU:
-                busy.append(f"{p.info['name']} (pid {p.pid}, {percent:.0f}% CPU)")
+    busy = competing_processes(window_s=sample_s, busy_percent=BUSY_PROCESS_CPU)
     if load1 <= BUSY_LOADAVG and not busy:
         return None
     who = f"; busy: {', '.join(busy)}" if busy else ""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
@@ -25,9 +26,27 @@ class GRPOLightningCLI(LightningCLI):
         parser.link_arguments("model.max_grad_norm", "trainer.gradient_clip_val")
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), about 2x its fp32 rate.
+    Without it, bf16 autocast on a CPU is emulated and slower than fp32."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(cpu, name, lambda: False)() for name in checks)
+
+
+def default_precision() -> str | None:
+    """bf16-mixed when training runs on a CPU with native bf16 (the rollout and every training step under
+    bf16 autocast, weights, optimizer and log-softmax in fp32): 1.5-1.8x faster per phase than fp32 there, and
+    learning no worse (benchmarks/results/curves_*.json). Otherwise None: Lightning's default, 32-true."""
+    on_cpu = not torch.cuda.is_available() and not torch.backends.mps.is_available()
+    return "bf16-mixed" if on_cpu and cpu_has_fast_bf16() else None
+
+
 def trainer_defaults() -> dict:
     """Fresh per run: a callback instance keeps the state (directory, best paths) of the run it served."""
+    precision = default_precision()
     return {
+        **({"precision": precision} if precision else {}),
         "default_root_dir": "runs",
         "log_every_n_steps": 1,  # a phase has only a handful of steps
         "num_sanity_val_steps": 0,

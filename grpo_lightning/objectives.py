@@ -40,24 +40,72 @@ def compute_grpo_advantages(rewards: Tensor, eps: float = 1e-6) -> Tensor:
 
 
 def get_logprobs(logits: Tensor, tokens: Tensor, gen_len: int) -> Tensor:
-    """Log-probabilities of the last ``gen_len`` tokens of ``tokens``.
+    """Log-probabilities of the last ``gen_len`` tokens of ``tokens``, in float32.
 
-    logits: (b, S', V) with S' >= gen_len + 1 (only the last gen_len + 1 positions are read).
-    tokens: (b, S), the last gen_len of which were generated.
+    logits: (b, S', V) with S' >= gen_len + 1 (only the last gen_len + 1 positions are read), in any
+    float dtype (bf16 under autocast). tokens: (b, S), the last gen_len of which were generated.
     Returns (b, T). The logits at position s predict the token at s + 1, hence the shift.
     """
-    logprobs = logits[:, -gen_len - 1 : -1].float().log_softmax(dim=-1)  # (b, T, V), fp32 always
+    logits = logits[:, -gen_len - 1 : -1]  # (b, T, V)
     targets = tokens[:, -gen_len:]  # (b, T)
-    return logprobs.gather(dim=-1, index=targets.unsqueeze(-1)).squeeze(-1)
+    b, T, V = logits.shape
+    return selective_log_softmax(logits.reshape(b * T, V), targets.reshape(b * T)).view(b, T)
+
+
+# Rows of the vocabulary-wide float32 work done at once: ~32 MB for SmolLM2's 49152 tokens.
+LOG_SOFTMAX_CHUNK_ELEMENTS = 2**23
+
+
+def selective_log_softmax(logits: Tensor, targets: Tensor) -> Tensor:
+    """``log_softmax(logits.float())[i, targets[i]]`` for each row: (N, V), (N,) -> (N,) float32.
+
+    The same values and gradient as ``logits.float().log_softmax(-1).gather(...)``, without its full
+    (N, V) float32 tensors: a learning step of 32 x 30 tokens over 49152 tokens would otherwise hold
+    three of them (the float32 copy, the log-softmax saved for backward, its gradient), 190 MB each.
+    Here the work is done a few rows at a time in float32, and backward keeps only the logits as they
+    came (bf16 under autocast) and one log-sum-exp per row.
+    """
+    return _SelectiveLogSoftmax.apply(logits, targets)
+
+
+def _row_chunks(logits: Tensor):
+    rows = max(1, LOG_SOFTMAX_CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
+
+
+class _SelectiveLogSoftmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
+        logsumexp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        picked = torch.empty_like(logsumexp)
+        for rows in _row_chunks(logits):
+            chunk = logits[rows].float()
+            logsumexp[rows] = chunk.logsumexp(-1)
+            picked[rows] = chunk.gather(-1, targets[rows, None]).squeeze(-1)
+        ctx.save_for_backward(logits, targets, logsumexp)
+        return picked - logsumexp
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        # d log p_i[t_i] / d logits_ij = [j == t_i] - softmax(logits_i)_j
+        logits, targets, logsumexp = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        grad_out = grad_out.float()
+        for rows in _row_chunks(logits):
+            grad = (logits[rows].float() - logsumexp[rows, None]).exp_().mul_(-grad_out[rows, None])
+            grad.scatter_add_(-1, targets[rows, None], grad_out[rows, None])
+            grad_logits[rows] = grad
+        return grad_logits, None
 
 
 def get_logits(model: torch.nn.Module, sample_ids: Tensor, gen_len: int) -> Tensor:
-    """Runs ``model`` on (b, S) ids; returns float32 logits for the last ``gen_len + 1`` positions.
+    """Runs ``model`` on (b, S) ids; returns its logits for the last ``gen_len + 1`` positions, in the
+    model's output dtype (bf16 under bf16 autocast: ``get_logprobs`` does its softmax in float32).
 
     ``logits_to_keep`` makes the model unembed only those positions, which is where most of the
     memory of a forward pass goes (a (b, S, V) tensor otherwise).
     """
-    return model(input_ids=sample_ids, logits_to_keep=gen_len + 1).logits.float()
+    return model(input_ids=sample_ids, logits_to_keep=gen_len + 1).logits
 
 
 @torch.no_grad()

@@ -104,3 +104,17 @@ def test_adapter_initialisation_is_seeded(tiny_model_dir):
     key = next(k for k in first.policy.state_dict() if "lora_A" in k)
     assert torch.equal(first.policy.state_dict()[key], second.policy.state_dict()[key])
     assert not torch.equal(first.policy.state_dict()[key], other.policy.state_dict()[key])
+
+
+def test_activation_checkpointing_under_lora_gives_the_same_adapter_gradients(tiny_model_dir, tmp_path):
+    from test_fast_path import ON_POLICY, FirstStepProbe, fit
+
+    grads = {}
+    for checkpointing in (False, True):
+        probe = FirstStepProbe()
+        module = lora_module(tiny_model_dir, activation_checkpointing=checkpointing, **ON_POLICY)
+        fit(module, tmp_path / str(checkpointing), total_phases=1, callbacks=[probe])
+        grads[checkpointing] = probe.grads
+    assert grads[True].keys() == grads[False].keys() and all("lora_" in name for name in grads[True])
+    for name, grad in grads[False].items():
+        torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7, msg=name)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from grpo_lightning import objectives
 from grpo_lightning.objectives import (
     calc_clipped_surrogate_objective,
     calc_kl_penalty,
@@ -191,7 +192,7 @@ class RecordingModel:
         return SimpleNamespace(logits=logits)
 
 
-def test_get_logits_passes_logits_to_keep_and_returns_float32():
+def test_get_logits_passes_logits_to_keep_and_keeps_the_models_dtype():
     model = RecordingModel(V=3)
     ids = torch.tensor([[1, 2, 0, 1, 2, 0]])
     logits = get_logits(model, ids, gen_len=3)
@@ -199,9 +200,9 @@ def test_get_logits_passes_logits_to_keep_and_returns_float32():
     assert set(model.calls[0]) == {"input_ids", "logits_to_keep"}
     assert model.calls[0]["logits_to_keep"] == 4  # gen_len + 1
     assert model.calls[0]["input_ids"] is ids
-    assert logits.dtype == torch.float32
+    assert logits.dtype == torch.float64  # as the model returned them; get_logprobs works in float32
     assert logits.shape == (1, 4, 3)
-    assert torch.equal(logits, torch.arange(12, dtype=torch.float32).reshape(1, 4, 3))
+    assert torch.equal(logits, torch.arange(12, dtype=torch.float64).reshape(1, 4, 3))
 
 
 class TinyLM(torch.nn.Module):
@@ -488,3 +489,36 @@ def test_clip_fraction_counts_ratios_outside_the_range():
     assert_close(clip_fraction(lp, old, 0.3), torch.tensor(2 / 6), **TOL)
     # at the start of a phase (ratio 1) nothing is clipped
     assert clip_fraction(old.clone(), old, 0.2).item() == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# selective_log_softmax: the values and gradient of log_softmax + gather, a few rows at a time
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_selective_log_softmax_matches_log_softmax_and_gather_across_chunks(monkeypatch, dtype):
+    monkeypatch.setattr(objectives, "LOG_SOFTMAX_CHUNK_ELEMENTS", 3 * 11)  # 3 rows of 11 per chunk: 4 chunks
+    g = torch.Generator().manual_seed(0)
+    logits = (4 * torch.randn(10, 11, generator=g)).to(dtype).requires_grad_()
+    targets = torch.randint(0, 11, (10,), generator=g)
+    weights = torch.randn(10, generator=g)  # an arbitrary upstream gradient
+
+    expected_logits = logits.detach().clone().requires_grad_()
+    expected = expected_logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+    (expected * weights).sum().backward()
+    got = objectives.selective_log_softmax(logits, targets)
+    (got * weights).sum().backward()
+
+    assert got.dtype == torch.float32
+    assert_close(got, expected, rtol=0, atol=1e-6)
+    assert logits.grad.dtype == dtype
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)  # bf16 grads: 8 bits
+    assert_close(logits.grad, expected_logits.grad, **tol)
+
+
+def test_selective_log_softmax_gradient_by_hand():
+    # one row, p = softmax([0, log 3]) = (1/4, 3/4), target 1: d log p_1 / d logits = (0 - 1/4, 1 - 3/4)
+    logits = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64).requires_grad_()
+    objectives.selective_log_softmax(logits, torch.tensor([1])).sum().backward()
+    assert_close(logits.grad, torch.tensor([[-0.25, 0.25]], dtype=torch.float64), rtol=0, atol=1e-7)

@@ -1,0 +1,54 @@
+"""The arithmetic of the benchmark scripts: the FLOP model and the learning-curve summary."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks.learning_curves import summarise
+from benchmarks.phase_time import ModelDims, forward_flops, phase_flops
+from grpo_lightning import GRPO_Args
+
+DIMS = ModelDims(matmul_params=1000, d_model=10, vocab=50, n_layers=2, d_attn=8, d_ff=40)
+
+
+def test_forward_flops_by_hand():
+    # b=2 sequences, n=3 new positions after c=4 cached, logits at L=1 position:
+    # matmul 2*1000*2*3 = 12000; head 2*10*50*2*1 = 2000; keys = 3*4 + 3*4/2 = 18,
+    # attention 4*2*8*2*18 = 2304
+    assert forward_flops(DIMS, batch=2, new=3, cached=4, logit_positions=1) == 12000 + 2000 + 2304
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_phase_flops_counts_old_logprobs_only_when_recomputed(recompute):
+    args = GRPO_Args(batch_size=4, num_minibatches=2, batches_per_learning_phase=2, gen_len=3, total_phases=2,
+                     warmup_steps=0)  # fmt: skip
+    opts = argparse.Namespace(recompute_old_logprobs=recompute, activation_checkpointing=False)
+    flops = phase_flops(DIMS, args, prompt_len=2, finetune="full", opts=opts)
+    one_forward = forward_flops(DIMS, batch=4, new=5, cached=0, logit_positions=4)
+    assert flops["ref_lp"] == one_forward
+    assert flops["old_lp"] == (one_forward if recompute else 0)
+    assert flops["learn"] == 3 * one_forward * 2  # forward + backward (2x), two passes
+    lora = phase_flops(DIMS, args, prompt_len=2, finetune="lora", opts=opts)
+    assert lora["learn"] == 2 * one_forward * 2  # no weight gradients for the frozen base
+
+
+def test_learning_curve_summary_by_hand():
+    runs = [
+        {"precision": "32-true", "seed": 1, "rewards": [1.0, 2.0, 3.0, 5.0]},
+        {"precision": "32-true", "seed": 2, "rewards": [1.0, 2.0, 4.0, 7.0]},
+        {"precision": "bf16-mixed", "seed": 1, "rewards": [1.0, 3.0, 4.0, 6.0]},
+        {"precision": "bf16-mixed", "seed": 2, "rewards": [1.0, 2.0, 3.0, 6.0]},
+    ]
+    summary = summarise(runs, ["32-true", "bf16-mixed"])
+    fp32, bf16 = summary["32-true"], summary["bf16-mixed"]
+    assert fp32["last_phase"]["values"] == [5.0, 7.0] and fp32["last_phase"]["mean"] == 6.0
+    assert fp32["last_phase"]["stdev"] == pytest.approx(2**0.5)
+    assert fp32["last_quarter"]["phases"] == 1  # 4 phases: the last quarter is the last phase
+    assert fp32["mean_curve"] == [1.0, 2.0, 3.5, 6.0]
+    assert bf16["last_phase"]["mean"] == 6.0 and bf16["last_phase"]["stdev"] == 0.0
+    difference = summary["difference"]
+    assert difference["value"] == 0.0
+    assert difference["stderr"] == pytest.approx((2 / 2 + 0 / 2) ** 0.5)  # sqrt(s_a^2/n_a + s_b^2/n_b)
+    assert difference["within_noise"] is True
