@@ -17,6 +17,24 @@ import torch
 BUSY_PERCENT = 25.0  # % of one core another process may use before it counts as competing
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def fit_threads_to_cpus() -> str | None:
+    """Lowers PyTorch's intra-op thread count to the usable CPUs when it exceeds them (more OpenMP threads
+    than cores only makes them wait for each other); returns a note saying so, or None."""
+    threads, cpus = torch.get_num_threads(), usable_cpus()
+    if threads <= cpus:
+        return None
+    torch.set_num_threads(cpus)
+    return f"PyTorch was set to {threads} threads but this process may use {cpus} CPUs: using {cpus} threads"
+
+
 def competing_processes(window_s: float = 0.5, busy_percent: float = BUSY_PERCENT) -> list[str]:
     """Other processes that used more than ``busy_percent`` of a core during a ``window_s`` sample,
     described as ``name (pid N, P% CPU)``, busiest first."""

@@ -32,7 +32,7 @@ from .activation_checkpointing import enable_activation_checkpointing, flag_chec
 from .config import GRPO_Args, GRPOConfigError
 from .kl import KL_ESTIMATORS, kl_in_reward, kl_loss_penalty
 from .lora import LoraSettings, apply_lora
-from .machine import competing_processes, cpu_contention_warning
+from .machine import competing_processes, cpu_contention_warning, fit_threads_to_cpus
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
 from .models import check_model_name, load_causal_lm, load_tokenizer
 from .objectives import (
@@ -253,9 +253,9 @@ class GRPOModule(L.LightningModule):
         # One process on the CPU: say so if others compete for its cores (other ranks of a multi-process
         # run would count as competitors, so only single-process runs check).
         if self.device.type == "cpu" and self.trainer.world_size == 1:
-            message = cpu_contention_warning(competing_processes())
-            if message:
-                warnings.warn(message, stacklevel=1)
+            for message in (fit_threads_to_cpus(), cpu_contention_warning(competing_processes())):
+                if message:
+                    warnings.warn(message, stacklevel=1)
 
     def on_train_epoch_start(self) -> None:
         # eval() switches off dropout only (gradients still flow): rollout, learning and reference

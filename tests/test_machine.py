@@ -39,3 +39,19 @@ def test_a_fit_warns_when_another_process_competes(tiny_model_dir, tmp_path, mon
     monkeypatch.setattr("grpo_lightning.module.competing_processes", lambda: ["spinner (pid 42, 97% CPU)"])
     with pytest.warns(UserWarning, match=r"other processes are using the CPU \(spinner \(pid 42, 97% CPU\)\)"):
         fit(make_module(tiny_model_dir, **ON_POLICY), tmp_path, total_phases=1)
+
+
+def test_threads_are_lowered_to_the_usable_cpus(monkeypatch):
+    import torch
+
+    from grpo_lightning import machine
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(machine, "usable_cpus", lambda: 1)
+        assert machine.fit_threads_to_cpus() == "PyTorch was set to 2 threads but this process may use 1 CPUs: using 1 threads"
+        assert torch.get_num_threads() == 1
+        assert machine.fit_threads_to_cpus() is None  # already within the CPUs
+    finally:
+        torch.set_num_threads(before)
