@@ -64,3 +64,14 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def no_cpu_contention_check(monkeypatch):
     """Fits skip the half-second look at other processes (tests/test_machine.py checks it)."""
     monkeypatch.setattr("grpo_lightning.module.competing_processes", lambda: [])
+
+
+def refuse_model_loading(monkeypatch, namespace) -> None:
+    """Makes ``namespace.load_causal_lm`` / ``load_tokenizer`` fail the test: for inputs that must be
+    refused before any model loads."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded although the inputs are invalid")
+
+    monkeypatch.setattr(namespace, "load_causal_lm", refuse)
+    monkeypatch.setattr(namespace, "load_tokenizer", refuse)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import refuse_model_loading
 
 from grpo_lightning import cli, module
 
@@ -23,11 +24,7 @@ def plain_argv(monkeypatch):
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded although the settings are invalid")
-
-    monkeypatch.setattr(module, "load_causal_lm", refuse)
-    monkeypatch.setattr(module, "load_tokenizer", refuse)
+    refuse_model_loading(monkeypatch, module)
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,7 @@ import json
 import math
 
 import pytest
+from conftest import refuse_model_loading
 import torch
 
 from grpo_lightning import cli, diagnostics
@@ -182,11 +183,7 @@ def test_split_texts_lines_or_paragraphs():
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a model was loaded although the inputs are invalid")
-
-    monkeypatch.setattr(diagnostics, "load_causal_lm", refuse)
-    monkeypatch.setattr(diagnostics, "load_tokenizer", refuse)
+    refuse_model_loading(monkeypatch, diagnostics)
 
 
 @pytest.mark.parametrize(
