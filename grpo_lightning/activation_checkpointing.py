@@ -41,15 +41,9 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
 def checkpointed_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder layers whose forward Hugging Face checkpoints. The model-level module carries the
     same flag but must stay in eval mode: in training mode it would switch off the KV cache."""
-    return [m for m in model.modules() if getattr(m, "gradient_checkpointing", False) is True and _is_layer(m)]
+    from transformers.modeling_layers import GradientCheckpointingLayer  # transformers >= 4.52
 
-
-def _is_layer(module: torch.nn.Module) -> bool:
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # older transformers: decoder layers have no common base class
-        return not hasattr(module, "layers") and not hasattr(module, "h")
-    return isinstance(module, GradientCheckpointingLayer)
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
 
 
 def flag_checkpointed_layers(model: torch.nn.Module) -> None:

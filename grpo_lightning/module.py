@@ -20,7 +20,6 @@ from typing import Callable
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import grad_norm
 from torch import Tensor
 from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
@@ -390,20 +389,16 @@ class GRPOModule(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_val = self.args.max_grad_norm if gradient_clip_val is None else gradient_clip_val
-        algorithm = gradient_clip_algorithm or "norm"
-        if algorithm == "norm" and getattr(optimizer, "_step_supports_amp_scaling", False):
-            # A fused AdamW: Lightning's mixed-precision plugin refuses to clip for it, because with
-            # fp16 loss scaling it could not unscale first. There is no loss scaling here (bf16, or
-            # fp32; fp16 gets the unfused optimizer), so the gradients are the true ones: clip them.
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            torch.nn.utils.clip_grad_norm_(params, clip_val)
-        else:
-            self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=algorithm)
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        norms = grad_norm(self.policy, norm_type=2)
-        if "grad_2.0_norm_total" in norms:  # pre-clip total norm; per-parameter norms would flood the logs
-            self.log("train/grad_norm", norms["grad_2.0_norm_total"], on_step=True, on_epoch=False)
+        if (gradient_clip_algorithm or "norm") != "norm":
+            self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+            return
+        # Clipped here rather than through Lightning's precision plugin, which refuses a fused AdamW (it
+        # cannot unscale fp16 gradients for one). Gradients are true ones by now: bf16 and fp32 scale
+        # nothing, and fp16 runs get the unfused optimizer, which Lightning unscales before this hook.
+        # clip_grad_norm_ returns the norm before clipping: one pass over the gradients gives both.
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        total_norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
+        self.log("train/grad_norm", total_norm, on_step=True, on_epoch=False)
 
     def configure_optimizers(self):
         # fp16 with loss scaling needs Lightning to unscale gradients before clipping: no fused kernel there.

@@ -13,18 +13,7 @@ class SampleRow:
     reward: float
     ref_logprob: float | None  # summed over the completion; None without a reference model
     text: str
-    # The sample's group-normalised advantage. Rows that carry one (see ``sample_table_rows``) render
-    # with the wider layout: Reward | Advantage | Ref log-prob | Sample.
-    advantage: float | None = None
-
-
-def sample_rows(samples: list[str], rewards: Tensor, ref_logprobs: Tensor | None, count: int) -> list[SampleRow]:
-    """The first ``count`` samples of the group, as the reference prints them."""
-    rows = []
-    for i in range(min(count, len(samples))):
-        ref = None if ref_logprobs is None else float(ref_logprobs[i].sum())
-        rows.append(SampleRow(float(rewards[i]), ref, samples[i]))
-    return rows
+    advantage: float  # the sample's group-normalised advantage
 
 
 def sample_table_rows(
@@ -39,7 +28,6 @@ def sample_table_rows(
     ``rewards`` and ``advantages`` are ``(B,)``. ``ref_logprobs`` is the reference model's
     log-probability of each completion: ``(B,)`` already summed, or ``(B, T)`` per token, summed here
     over the completion tokens; ``None`` without a reference model (the cell shows "–").
-    Every row carries its advantage, so the renderers use the wide layout.
     """
     count = len(samples)
     if rewards.shape != (count,) or advantages.shape != (count,):
@@ -66,24 +54,12 @@ def phase_line(phase: int, total_phases: int, mean_reward: float, kl: float | No
     return f"Phase {phase:03}/{total_phases:03}, Mean reward: {mean_reward:.4f}, KL: {kl_text}"
 
 
-def _fmt_ref(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
-
-
-_NO_REF = "–"  # the wide layout's cell for "no reference model"
+_NO_REF = "–"  # the cell for "no reference model"
 _NEWLINE = "⏎"
 
 
-def _wide(rows: list[SampleRow]) -> bool:
-    return any(row.advantage is not None for row in rows)
-
-
-def _fmt_wide_ref(value: float | None) -> str:
+def _fmt_ref(value: float | None) -> str:
     return _NO_REF if value is None else f"{value:.2f}"
-
-
-def _fmt_advantage(value: float | None) -> str:
-    return _NO_REF if value is None else f"{value:+.3f}"
 
 
 def display_text(text: str) -> str:
@@ -105,50 +81,29 @@ def escape_markdown_cell(text: str) -> str:
 
 
 def render_console_table(rows: list[SampleRow], width: int = 120) -> str:
-    """A boxed table (rich) rendered to a string, so it can be printed between progress-bar updates.
-
-    Rows without an advantage (``sample_rows``): Reward | Ref logprobs | Sample, the sample as its
-    ``repr``. Rows with one (``sample_table_rows``): Reward | Advantage | Ref log-prob | Sample, the
-    sample on one line with "⏎" for line breaks. Sample text is never read as rich markup.
-    """
+    """A boxed table (rich) rendered to a string, so it can be printed between progress-bar updates:
+    Reward | Advantage | Ref log-prob | Sample, each sample on one line with "⏎" for line breaks.
+    Sample text is never read as rich markup."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
-    wide = _wide(rows)
     table = Table(show_lines=True)
-    table.add_column("Reward", justify="right")
-    if wide:
-        table.add_column("Advantage", justify="right")
-        table.add_column("Ref log-prob", justify="right")
-    else:
-        table.add_column("Ref logprobs", justify="right")
+    for name in ("Reward", "Advantage", "Ref log-prob"):
+        table.add_column(name, justify="right")
     table.add_column("Sample", overflow="fold")
     for row in rows:
-        if wide:
-            cells = [_fmt_advantage(row.advantage), _fmt_wide_ref(row.ref_logprob), Text(display_text(row.text))]
-        else:
-            cells = [_fmt_ref(row.ref_logprob), Text(repr(row.text))]
-        table.add_row(f"{row.reward:g}", *cells)
+        table.add_row(f"{row.reward:g}", f"{row.advantage:+.3f}", _fmt_ref(row.ref_logprob), Text(display_text(row.text)))
     buffer = io.StringIO()
     Console(file=buffer, width=width, force_terminal=False, color_system=None).print(table)
     return buffer.getvalue().rstrip("\n")
 
 
 def render_markdown_table(rows: list[SampleRow]) -> str:
-    """The same table in Markdown, which TensorBoard's text tab renders (same two layouts as the console)."""
-    if _wide(rows):
-        lines = ["| Reward | Advantage | Ref log-prob | Sample |", "|---:|---:|---:|---|"]
-        lines += [
-            f"| {row.reward:g} | {_fmt_advantage(row.advantage)} | {_fmt_wide_ref(row.ref_logprob)} "
-            f"| {escape_markdown_cell(row.text)} |"
-            for row in rows
-        ]
-        return "\n".join(lines)
-
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", "\\n")
-
-    lines = ["| Reward | Ref logprobs | Sample |", "|---:|---:|---|"]
-    lines += [f"| {row.reward:g} | {_fmt_ref(row.ref_logprob)} | {cell(repr(row.text))} |" for row in rows]
+    """The same table in Markdown, which TensorBoard's text tab renders."""
+    lines = ["| Reward | Advantage | Ref log-prob | Sample |", "|---:|---:|---:|---|"]
+    lines += [
+        f"| {row.reward:g} | {row.advantage:+.3f} | {_fmt_ref(row.ref_logprob)} | {escape_markdown_cell(row.text)} |"
+        for row in rows
+    ]
     return "\n".join(lines)

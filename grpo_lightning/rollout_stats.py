@@ -82,10 +82,16 @@ def token_entropy(logits: Tensor) -> Tensor:
     when it is only logged.
     """
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    logp = torch.log_softmax(logits.to(dtype), dim=-1)
+    return entropy_from_logprobs(torch.log_softmax(logits.to(dtype), dim=-1))
+
+
+def entropy_from_logprobs(logprobs: Tensor, probs: Tensor | None = None) -> Tensor:
+    """Entropy in nats of full log-probabilities ``(..., V) -> (...)``; ``probs`` is ``logprobs.exp()``,
+    passed in where the caller has it already (sampling does, every generated token)."""
+    if probs is None:
+        probs = logprobs.exp()
     # 0 * -inf is NaN: zero the log of impossible tokens, their probability is exactly 0 anyway.
-    safe_logp = logp.masked_fill(torch.isneginf(logp), 0.0)
-    return -(logp.exp() * safe_logp).sum(dim=-1)
+    return -(probs * logprobs.masked_fill(torch.isneginf(logprobs), 0.0)).sum(dim=-1)
 
 
 def importance_ratio_stats(logprobs: Tensor, old_logprobs: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .rollout_stats import entropy_from_logprobs
+
 # A start-of-document token marks "a new text begins here", the context the model saw at the start
 # of its pretraining documents. Tokenizers name it differently; the first one found is used.
 _START_OF_DOCUMENT_CANDIDATES = ("<|endoftext|>", "<s>", "<|begin_of_text|>", "<bos>")
@@ -77,14 +79,15 @@ def sample_completions_with_logprobs(
     outputs = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
     for step in range(gen_len):
         policy_logprobs = outputs.logits[:, -1].float().log_softmax(dim=-1)  # (B, V)
+        policy_probs = policy_logprobs.exp()
         if temperature == 1.0:
-            sampling_probs = policy_logprobs.exp()
+            sampling_probs = policy_probs
         else:
             sampling_probs = (outputs.logits[:, -1].float() / temperature).softmax(dim=-1)
         next_ids = sample_categorical(sampling_probs)  # (B, 1)
         new_ids.append(next_ids)
         logprobs.append(policy_logprobs.gather(-1, next_ids))
-        entropy.append(_entropy(policy_logprobs).unsqueeze(-1))
+        entropy.append(entropy_from_logprobs(policy_logprobs, policy_probs).unsqueeze(-1))
         if step + 1 < gen_len:
             cache = getattr(outputs, cache_arg)
             outputs = model(input_ids=next_ids, use_cache=True, **{cache_arg: cache})
@@ -121,11 +124,6 @@ def sample_categorical(probs: Tensor, generator: torch.Generator | None = None) 
     # Rounding can put the target a hair past the block's own total: take its last token with mass then.
     last_with_mass = (within_cdf < within_cdf[:, -1:]).sum(-1, keepdim=True)
     return block * SAMPLING_BLOCK + torch.minimum(index, last_with_mass)
-
-
-def _entropy(logprobs: Tensor) -> Tensor:
-    """Entropy of each row of full log-probabilities (..., V); 0 * log 0 counts as 0."""
-    return -(logprobs.exp() * logprobs.nan_to_num(neginf=0.0)).sum(-1)
 
 
 @torch.no_grad()

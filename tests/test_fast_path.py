@@ -81,6 +81,9 @@ def test_on_policy_shortcut_gives_the_gradient_of_the_full_computation(tiny_mode
     for name, grad in expected.items():
         torch.testing.assert_close(probe.grads[name], grad, rtol=1e-5, atol=1e-7, msg=name)
     assert probe.metrics["train/ratio_mean"] == 1.0 and probe.metrics["train/ratio_max"] == 1.0
+    # The logged gradient norm is the norm before clipping, from the same single pass that clips.
+    norm_before_clipping = torch.linalg.vector_norm(torch.stack([g.norm() for g in probe.grads.values()]))
+    assert probe.metrics["train/grad_norm"] == pytest.approx(float(norm_before_clipping), rel=1e-5)
     # Sampling's own log pi_old agrees with the recomputed one to fp32 rounding.
     torch.testing.assert_close(batch.logprobs, old_logprobs, rtol=0, atol=1e-5)
 

@@ -1,4 +1,4 @@
-"""The phase line and the sample tables (console and TensorBoard Markdown), both layouts."""
+"""The phase line and the sample table (console and TensorBoard Markdown)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,10 @@ from grpo_lightning.reporting import (
     phase_line,
     render_console_table,
     render_markdown_table,
-    sample_rows,
     sample_table_rows,
 )
 from grpo_lightning.rollout_stats import select_sample_indices
 
-# ---- the original layout (sample_rows), unchanged for existing callers -----------------------
 
 
 def test_phase_line():
@@ -27,43 +25,13 @@ def test_phase_line():
     assert phase_line(1, 2, 0.0, None) == "Phase 001/002, Mean reward: 0.0000, KL: n/a (no reference model at kl_coef=0)"
 
 
-def test_sample_rows_first_count_summed_ref():
-    ref = torch.tensor([[-1.0, -2.0], [-0.5, -0.25], [0.0, 0.0]])
-    rows = sample_rows(["a", "b", "c"], torch.tensor([1.0, 2.0, 3.0]), ref, 2)
-    assert rows == [SampleRow(1.0, -3.0, "a"), SampleRow(2.0, -0.75, "b")]
-    assert all(row.advantage is None for row in rows)
-    assert sample_rows(["a"], torch.tensor([1.0]), None, 5) == [SampleRow(1.0, None, "a")]
-
-
-def test_original_markdown_layout():
-    rows = [SampleRow(14.0, -57.25, "x|y\nz"), SampleRow(0.5, None, "ok")]
-    assert render_markdown_table(rows) == (
-        "| Reward | Ref logprobs | Sample |\n"
-        "|---:|---:|---|\n"
-        "| 14 | -57.25 | 'x\\|y\\nz' |\n"
-        "| 0.5 | n/a | 'ok' |"
-    )
-
-
-def test_original_console_layout():
-    out = render_console_table([SampleRow(14.0, -57.35, "This is yes.\n3.9"), SampleRow(1.0, None, "b")], width=60)
-    lines = out.splitlines()
-    assert lines[1].split("┃")[1:4] == [" Reward ", " Ref logprobs ", " Sample              "]
-    assert "│     14 │       -57.35 │ 'This is yes.\\n3.9'" in out
-    assert "│      1 │          n/a │ 'b'" in out
-
-
 def test_console_never_reads_sample_as_rich_markup():
     # "[/]" used to raise rich's MarkupError, and "[bold]" vanished from the table.
-    for rows in (
-        [SampleRow(1.0, None, "x [/] y [bold]z[/bold]")],
-        sample_table_rows(["x [/] y [bold]z[/bold]"], torch.tensor([1.0]), torch.tensor([0.0]), None, [0]),
-    ):
-        out = render_console_table(rows, width=80)
-        assert "x [/] y [bold]z[/bold]" in out
+    rows = sample_table_rows(["x [/] y [bold]z[/bold]"], torch.tensor([1.0]), torch.tensor([0.0]), None, [0])
+    assert "x [/] y [bold]z[/bold]" in render_console_table(rows, width=80)
 
 
-# ---- the wide layout (sample_table_rows) ----------------------------------------------------
+# ---- sample_table_rows and the table -------------------------------------------------------
 
 
 SAMPLES = ["first", "two\nlines", "pipe | here", "last"]

@@ -12,6 +12,7 @@ from grpo_lightning.rollout_stats import (
     distinct_n,
     importance_ratio_stats,
     select_sample_indices,
+    entropy_from_logprobs,
     token_entropy,
     zero_advantage_fraction,
 )
@@ -154,6 +155,13 @@ def test_entropy_shape_and_low_precision_upcast():
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, torch.full((2, 3), math.log(5)), rtol=1e-6, atol=1e-6)
     assert token_entropy(torch.zeros(4, dtype=torch.float64)).dtype == torch.float64
+
+
+def test_entropy_from_logprobs_with_or_without_probs():
+    logprobs = torch.tensor([[math.log(0.5), math.log(0.25), math.log(0.25), -math.inf]])
+    expected = torch.tensor([1.5 * math.log(2)])
+    torch.testing.assert_close(entropy_from_logprobs(logprobs), expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(entropy_from_logprobs(logprobs, logprobs.exp()), expected, rtol=1e-6, atol=1e-7)
 
 
 def test_entropy_gradient_finite_with_neg_inf():

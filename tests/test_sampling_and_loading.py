@@ -90,3 +90,17 @@ def test_unreachable_hub_id_names_the_embedded_default_and_local_directories(mon
     message = str(error.value)
     assert "could not load model 'nobody-here/not-a-model' (hub id)" in message
     assert "local directory" in message and "SmolLM2-135M-Instruct" in message
+
+
+def test_sampling_keeps_the_logprobs_and_entropies_of_a_full_forward(tiny_model_dir):
+    from grpo_lightning.objectives import get_logits, get_logprobs
+    from grpo_lightning.rollout_stats import token_entropy
+    from grpo_lightning.sampling import encode_prompt, sample_completions_with_logprobs
+
+    model, tokenizer = load_causal_lm(tiny_model_dir), load_tokenizer(tiny_model_dir)
+    torch.manual_seed(0)
+    sampled = sample_completions_with_logprobs(model, encode_prompt(tokenizer, "This is").repeat(3, 1), gen_len=5)
+    with torch.no_grad():
+        logits = get_logits(model, sampled.sample_ids, 5)
+        torch.testing.assert_close(sampled.logprobs, get_logprobs(logits, sampled.sample_ids, 5), rtol=0, atol=1e-5)
+        torch.testing.assert_close(sampled.entropy, token_entropy(logits[:, :-1]), rtol=0, atol=1e-5)
