@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import sys
 
-import torch
 from jsonargparse import ArgumentError
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
 
 from .config import GRPOError
 from .module import GRPOModule
+from .precision import choose_precision, precision_warning, resolve_accelerator
 
 
 class GRPOLightningCLI(LightningCLI):
@@ -25,28 +26,33 @@ class GRPOLightningCLI(LightningCLI):
         parser.link_arguments("model.total_phases", "trainer.max_epochs")
         parser.link_arguments("model.max_grad_norm", "trainer.gradient_clip_val")
 
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX), about 2x its fp32 rate.
-    Without it, bf16 autocast on a CPU is emulated and slower than fp32."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(getattr(cpu, name, lambda: False)() for name in checks)
+    def before_instantiate_classes(self) -> None:
+        trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+        trainer.precision = settle_precision(trainer.precision, trainer.accelerator)
 
 
-def default_precision() -> str | None:
-    """bf16-mixed when training runs on a CPU with native bf16 (the rollout and every training step under
-    bf16 autocast, weights, optimizer and log-softmax in fp32): 1.5-1.8x faster per phase than fp32 there, and
-    learning no worse (benchmarks/results/curves_*.json). Otherwise None: Lightning's default, 32-true."""
-    on_cpu = not torch.cuda.is_available() and not torch.backends.mps.is_available()
-    return "bf16-mixed" if on_cpu and cpu_has_fast_bf16() else None
+def settle_precision(precision, accelerator) -> str | int:
+    """The precision a run uses: the one asked for, or (unset) the machine's default, said on the run's first
+    line. A bf16 request on a CPU without native bf16 is kept, with a warning of its cost."""
+    device = resolve_accelerator(accelerator)
+    if precision is None:
+        precision, reason = choose_precision(device)
+        _say(f"precision {precision}: {reason} (set trainer.precision to choose another)")
+    else:
+        warning = precision_warning(precision, device)
+        if warning:
+            _say(f"warning: {warning}", file=sys.stderr)
+    return precision
+
+
+def _say(message: str, file=None) -> None:
+    if rank_zero_only.rank == 0:  # once per run, not once per process
+        print(message, file=file or sys.stdout, flush=True)
 
 
 def trainer_defaults() -> dict:
     """Fresh per run: a callback instance keeps the state (directory, best paths) of the run it served."""
-    precision = default_precision()
     return {
-        **({"precision": precision} if precision else {}),
         "default_root_dir": "runs",
         "log_every_n_steps": 1,  # a phase has only a handful of steps
         "num_sanity_val_steps": 0,

@@ -122,22 +122,3 @@ def test_python_dash_m_and_console_script_start_the_cli():
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "--model.kl_coef" in result.stdout and "--model.reward" in result.stdout
-
-
-@pytest.mark.parametrize(
-    "cuda, fast_bf16, expected", [(False, True, "bf16-mixed"), (False, False, None), (True, True, None)]
-)
-def test_default_precision_is_bf16_only_on_a_cpu_with_native_bf16(monkeypatch, cuda, fast_bf16, expected):
-    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(cli, "cpu_has_fast_bf16", lambda: fast_bf16)
-    assert cli.default_precision() == expected
-    assert cli.trainer_defaults().get("precision") == expected
-
-
-def test_a_config_precision_wins_over_the_default(monkeypatch, no_model_loading, tmp_path):
-    monkeypatch.setattr(cli, "default_precision", lambda: "bf16-mixed")
-    default = cli.make_cli(["--trainer.default_root_dir", str(tmp_path)], run=False)
-    assert default.trainer.precision == "bf16-mixed"
-    chosen = cli.make_cli(["--config", os.path.join(REPO, "experiments", "smoke_kl0.yaml"),
-                           "--trainer.default_root_dir", str(tmp_path)], run=False)  # fmt: skip
-    assert chosen.trainer.precision == "32-true"
