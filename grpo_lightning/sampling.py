@@ -7,13 +7,13 @@ tokens (no early stop at end-of-text), which keeps the batch rectangular and unp
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .rollout_stats import entropy_from_logprobs
+from .fast_decode import make_decoder
+from .packed_linear import packed_linear_weights
 
 # A start-of-document token marks "a new text begins here", the context the model saw at the start
 # of its pretraining documents. Tokenizers name it differently; the first one found is used.
@@ -44,13 +44,6 @@ def encode_prompt(tokenizer, prompt: str, start_token: str | None = None) -> Ten
     return tokenizer(start_token + prompt, return_tensors="pt", add_special_tokens=False).input_ids
 
 
-def _cache_argument(model: torch.nn.Module) -> str:
-    """Name of the KV-cache argument of ``model.forward``: ``cache`` in recent transformers,
-    ``past_key_values`` before (the old name still works there, with a deprecation warning)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # see through peft wrappers
-    return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
-
 @dataclass
 class SampledCompletions:
     """What sampling produced, per generated token: B sequences, T = gen_len."""
@@ -66,36 +59,54 @@ def sample_completions_with_logprobs(
 ) -> SampledCompletions:
     """Samples ``gen_len`` tokens after each row of ``prompt_ids`` (B, P), keeping log pi of each token.
 
-    A plain KV-cached loop: one forward of the prompt, then one token per step sampled from
-    ``softmax(logits / temperature)`` over the full vocabulary. The attention mask is all ones
+    A KV-cached loop (``grpo_lightning.fast_decode``): one forward of the prompt, then one token per
+    step sampled from ``softmax(logits / temperature)`` over the full vocabulary. The attention mask is all ones
     (there is no padding), so the context sampled from is the one log-probabilities are taken on.
 
     The log-probabilities and entropies are those of the policy itself (temperature 1), in float32,
     from the very logits the tokens were drawn from: they are log pi_old of the rollout, so the
     learning phase needs no second forward pass to recompute them.
     """
-    cache_arg = _cache_argument(model)
+    batch, prompt_len = prompt_ids.shape
+    decoder = make_decoder(model, batch, prompt_len + gen_len)
     new_ids, logprobs, entropy = [], [], []
-    outputs = model(input_ids=prompt_ids, use_cache=True, logits_to_keep=1)
-    for step in range(gen_len):
-        policy_logprobs = outputs.logits[:, -1].float().log_softmax(dim=-1)  # (B, V)
-        policy_probs = policy_logprobs.exp()
-        if temperature == 1.0:
-            sampling_probs = policy_probs
-        else:
-            sampling_probs = (outputs.logits[:, -1].float() / temperature).softmax(dim=-1)
-        next_ids = sample_categorical(sampling_probs)  # (B, 1)
-        new_ids.append(next_ids)
-        logprobs.append(policy_logprobs.gather(-1, next_ids))
-        entropy.append(entropy_from_logprobs(policy_logprobs, policy_probs).unsqueeze(-1))
-        if step + 1 < gen_len:
-            cache = getattr(outputs, cache_arg)
-            outputs = model(input_ids=next_ids, use_cache=True, **{cache_arg: cache})
+    with packed_linear_weights(model, rows=batch):  # the decode steps' shape: one token per row
+        logits = decoder.step(prompt_ids).float()  # (B, V)
+        for step in range(gen_len):
+            weights, log_normaliser, step_entropy = softmax_parts(logits)
+            if temperature != 1.0:
+                weights = softmax_parts(logits / temperature)[0]
+            next_ids = sample_categorical(weights)  # (B, 1)
+            new_ids.append(next_ids)
+            logprobs.append(logits.gather(-1, next_ids) - log_normaliser)
+            entropy.append(step_entropy.unsqueeze(-1))
+            if step + 1 < gen_len:
+                logits = decoder.step(next_ids).float()
     return SampledCompletions(
         sample_ids=torch.cat([prompt_ids, *new_ids], dim=1),
         logprobs=torch.cat(logprobs, dim=1),
         entropy=torch.cat(entropy, dim=1),
     )
+
+
+def softmax_parts(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """What a sampling step needs of ``softmax(logits)`` (B, V), in a few passes over the vocabulary:
+    the unnormalised probabilities ``exp(logits - max)`` (B, V), which ``sample_categorical`` draws from
+    as they are; the log normaliser ``logsumexp(logits)`` (B, 1), so that ``log pi(i) = logits[i] - it``;
+    and the entropy in nats (B,).
+
+    Each full-vocabulary pass costs milliseconds per step at B = 128 (a (128, 49152) float32 tensor is
+    25 MB), so this replaces log_softmax, exp, the entropy's masking and product with one subtraction,
+    one exp, one sum and one product. Entropy: with ``d = logits - max``, ``e = exp(d)`` and ``s = sum e``,
+    ``H = log s - sum(e * d) / s``. A ``-inf`` logit (probability exactly 0) gives ``e * d = 0 * -inf =
+    NaN``, which ``nansum`` counts as 0, its true contribution."""
+    largest = logits.amax(dim=-1, keepdim=True)  # (B, 1)
+    shifted = logits - largest  # (B, V), at most 0: exp never overflows
+    weights = shifted.exp()
+    total = weights.sum(dim=-1, keepdim=True)  # (B, 1), >= 1
+    log_total = total.log()
+    entropy = log_total.squeeze(-1) - shifted.mul_(weights).nansum(dim=-1) / total.squeeze(-1)
+    return weights, largest + log_total, entropy
 
 
 # Sampling a token = finding where a uniform draw falls in the cumulative distribution. In two levels:
@@ -112,8 +123,9 @@ def sample_categorical(probs: Tensor, generator: torch.Generator | None = None) 
     Exact inverse-CDF sampling: indices with zero probability are never drawn. Returns (B, 1) int64.
     """
     batch, vocab = probs.shape
-    pad = (-vocab) % SAMPLING_BLOCK
-    blocks = torch.nn.functional.pad(probs, (0, pad)).view(batch, -1, SAMPLING_BLOCK)  # (B, nb, S)
+    pad = (-vocab) % SAMPLING_BLOCK  # padding copies the whole (B, V) tensor: only when V needs it
+    padded = torch.nn.functional.pad(probs, (0, pad)) if pad else probs
+    blocks = padded.reshape(batch, -1, SAMPLING_BLOCK)  # (B, nb, S)
     block_cdf = blocks.sum(-1).double().cumsum(-1)  # (B, nb)
     target = torch.rand(batch, 1, dtype=torch.float64, device=probs.device, generator=generator) * block_cdf[:, -1:]
     # The first block whose cumulative mass exceeds the target: never an empty block.

@@ -1,0 +1,119 @@
+"""The sampling fast path computes what the model computes: the lean decoder against the model's own forward
+(plain, GQA, LoRA, bf16 autocast), packed weights against F.linear, and the per-step softmax by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+from transformers import AutoModelForCausalLM
+
+from grpo_lightning.fast_decode import LeanDecoder, ModelDecoder, make_decoder, supports_fast_decode
+from grpo_lightning.lora import LoraSettings, apply_lora
+from grpo_lightning.packed_linear import packed_linear_weights, packing_available
+from grpo_lightning.sampling import softmax_parts
+
+
+def decode_all(decoder, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """Logits (B, L - prompt_len + 1, V) at the last prompt position and after each later token."""
+    steps = [decoder.step(ids[:, :prompt_len])]
+    steps += [decoder.step(ids[:, t : t + 1]) for t in range(prompt_len, ids.shape[1])]
+    return torch.stack(steps, dim=1)
+
+
+def full_forward(model, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    return model(input_ids=ids).logits[:, prompt_len - 1 :]
+
+
+@pytest.fixture
+def tiny_model():
+    return build_tiny_llama(vocab_size=300, seed=3)  # 4 query heads over 2 key/value heads: grouped attention
+
+
+@pytest.mark.parametrize("prompt_len", [1, 3])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@torch.no_grad()
+def test_lean_decoder_matches_the_full_forward(tiny_model, prompt_len, attention):
+    tiny_model.config._attn_implementation = attention
+    ids = torch.randint(0, 300, (5, 9), generator=torch.Generator().manual_seed(0))
+    expected = full_forward(tiny_model, ids, prompt_len)
+    decoder = make_decoder(tiny_model, batch=5, max_len=9)
+    assert isinstance(decoder, LeanDecoder)
+    torch.testing.assert_close(decode_all(decoder, ids, prompt_len), expected, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_lean_decoder_runs_lora_adapters_and_their_switch(tiny_model):
+    lora = apply_lora(tiny_model, LoraSettings(), seed=0)
+    for name, param in lora.named_parameters():  # adapters start as a no-op (B = 0): make them count
+        if "lora_B" in name:
+            param.copy_(torch.randn_like(param) * 0.5)
+    ids = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(1))
+    with_adapters = full_forward(lora, ids, 2)
+    torch.testing.assert_close(decode_all(LeanDecoder(lora, 3, 7), ids, 2), with_adapters, rtol=0, atol=1e-5)
+    with lora.disable_adapter():
+        without = full_forward(lora, ids, 2)
+        torch.testing.assert_close(decode_all(LeanDecoder(lora, 3, 7), ids, 2), without, rtol=0, atol=1e-5)
+    assert (with_adapters - without).abs().max() > 0.1  # the adapters really changed the logits
+
+
+@torch.no_grad()
+def test_lean_decoder_under_bf16_autocast_matches_the_models_own_cached_decode(tiny_model):
+    ids = torch.randint(0, 300, (4, 8), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lean = decode_all(LeanDecoder(tiny_model, 4, 8), ids, 3).float()
+        own = decode_all(ModelDecoder(tiny_model), ids, 3).float()
+    exact = full_forward(tiny_model, ids, 3)
+    # bf16 keeps 8 significant bits: both cached decodes round alike and stay near the fp32 forward
+    torch.testing.assert_close(lean, own, rtol=0, atol=2e-2)
+    torch.testing.assert_close(lean, exact, rtol=0, atol=5e-2)
+
+
+def test_other_shapes_and_long_sequences_use_the_models_forward(tiny_model):
+    assert supports_fast_decode(tiny_model, 64)
+    tiny_model.config.model_type = "gpt2"
+    assert not supports_fast_decode(tiny_model, 64)
+    assert isinstance(make_decoder(tiny_model, 2, 8), ModelDecoder)
+    with pytest.raises(ValueError, match="holds 4 positions; 5 were asked for"):
+        tiny_model.config.model_type = "llama"
+        LeanDecoder(tiny_model, 1, 4).step(torch.zeros(1, 5, dtype=torch.long))
+
+
+@torch.no_grad()
+def test_packed_weights_give_f_linear_results_for_their_row_count_only():
+    layer = torch.nn.Linear(96, 80)
+    other = torch.nn.Linear(8, 8)  # too small to pack: left alone
+    model = torch.nn.Sequential(layer, other)
+    x = torch.randn(6, 1, 96)
+    assert packing_available(model) == torch.backends.mkl.is_available()
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with packed_linear_weights(model, rows=6):
+        if packing_available(model):
+            assert "forward" in vars(layer) and "forward" not in vars(other)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
+        x7 = torch.randn(7, 96)  # another row count: the ordinary product
+        torch.testing.assert_close(layer(x7), torch.nn.functional.linear(x7, layer.weight, layer.bias), rtol=0, atol=0)
+    assert "forward" not in vars(layer)  # restored
+
+
+def test_packing_is_off_under_autocast_and_with_gradients():
+    layer = torch.nn.Linear(96, 80)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not packing_available(layer)
+    x = torch.randn(4, 96, requires_grad=True)
+    with packed_linear_weights(layer, rows=4):
+        layer(x).sum().backward()  # with gradients enabled the packed product (no backward) is not used
+    torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, -1))
+
+
+def test_softmax_parts_by_hand():
+    # p = (1/4, 3/4, 0): log normaliser log 4 (+ the row's offset), entropy log 4 - (3/4) log 3
+    logits = torch.tensor([[0.0, math.log(3.0), -math.inf], [10.0, 10.0 + math.log(3.0), -math.inf]])
+    weights, log_normaliser, entropy = softmax_parts(logits)
+    torch.testing.assert_close(weights, torch.tensor([[1 / 3, 1.0, 0.0], [1 / 3, 1.0, 0.0]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(log_normaliser, torch.tensor([[math.log(4)], [10 + math.log(4)]]), rtol=1e-6, atol=0)
+    torch.testing.assert_close(entropy, torch.full((2,), math.log(4) - 0.75 * math.log(3)), rtol=1e-6, atol=0)
+    one_hot = softmax_parts(torch.tensor([[5.0, -math.inf, -math.inf]]))
+    assert one_hot[2].item() == 0.0 and one_hot[1].item() == 5.0
