@@ -38,8 +38,7 @@ from .objectives import (
     calc_clipped_surrogate_objective,
     clip_fraction,
     compute_grpo_advantages,
-    get_logits,
-    get_logprobs,
+    generated_logprobs,
     get_logprobs_batched,
 )
 from .optim import get_optimizer_and_scheduler
@@ -358,8 +357,7 @@ class GRPOModule(L.LightningModule):
 
     def training_step(self, minibatch: ReplayMinibatch, batch_idx: int) -> Tensor:
         args = self.args
-        logits = get_logits(self.policy, minibatch.sample_ids, args.gen_len)  # (b, T + 1, V)
-        logprobs = get_logprobs(logits, minibatch.sample_ids, args.gen_len)  # (b, T)
+        logprobs = generated_logprobs(self.policy, minibatch.sample_ids, args.gen_len)  # (b, T)
         # On-policy (one minibatch, one pass): log pi_old is this very forward pass, detached; the
         # ratio is exactly 1 and the gradient is the plain policy gradient, with no rounding noise.
         old_logprobs = logprobs.detach() if self.on_policy else minibatch.logprobs

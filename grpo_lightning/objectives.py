@@ -108,11 +108,23 @@ def get_logits(model: torch.nn.Module, sample_ids: Tensor, gen_len: int) -> Tens
     return model(input_ids=sample_ids, logits_to_keep=gen_len + 1).logits
 
 
+def generated_logprobs(model: torch.nn.Module, sample_ids: Tensor, gen_len: int) -> Tensor:
+    """``get_logprobs(get_logits(model, sample_ids, gen_len), sample_ids, gen_len)``: (b, S) ids -> (b, T)
+    float32 log-probabilities of the generated tokens, with the unembedding run on exactly the T positions
+    that predict them. ``get_logits`` keeps T + 1 positions and ``get_logprobs`` drops the last: that costs
+    one more position of the (d_model x V) head and, in a learning step, a copy of the (b, T, V) logits
+    and a zero-filled gradient for the dropped column."""
+    seq_len = sample_ids.shape[1]
+    predicting = slice(seq_len - gen_len - 1, seq_len - 1)  # position s predicts the token at s + 1
+    logits = model(input_ids=sample_ids, logits_to_keep=predicting).logits  # (b, T, V)
+    b, T, V = logits.shape
+    return selective_log_softmax(logits.reshape(b * T, V), sample_ids[:, -gen_len:].reshape(b * T)).view(b, T)
+
+
 @torch.no_grad()
 def get_logprobs_batched(model: torch.nn.Module, sample_ids: Tensor, gen_len: int, chunk_size: int) -> Tensor:
     """Log-probabilities (B, T) of the generated tokens under ``model``, ``chunk_size`` sequences at a time."""
-    chunks = [get_logprobs(get_logits(model, chunk, gen_len), chunk, gen_len) for chunk in sample_ids.split(chunk_size)]
-    return torch.cat(chunks)
+    return torch.cat([generated_logprobs(model, chunk, gen_len) for chunk in sample_ids.split(chunk_size)])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,7 +137,7 @@ def get_logprobs_batched(model: torch.nn.Module, sample_ids: Tensor, gen_len: in
 from .kl import calc_kl_penalty, calc_kl_penalty_naive, kl_k1, kl_k2, kl_k3  # noqa: E402
 
 __all__ = [
-    "compute_grpo_advantages", "get_logprobs", "get_logits", "get_logprobs_batched",
+    "compute_grpo_advantages", "get_logprobs", "get_logits", "get_logprobs_batched", "generated_logprobs",
     "calc_kl_penalty", "calc_kl_penalty_naive", "kl_k1", "kl_k2", "kl_k3",
     "calc_clipped_surrogate_objective", "clip_fraction",
 ]  # fmt: skip

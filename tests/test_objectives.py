@@ -216,8 +216,10 @@ class TinyLM(torch.nn.Module):
         self.batch_sizes = []
 
     def forward(self, input_ids, logits_to_keep):
+        # As Hugging Face models read it: a count of last positions, or the positions themselves (a slice).
         self.batch_sizes.append(input_ids.shape[0])
-        return SimpleNamespace(logits=self.table[input_ids][:, -logits_to_keep:])
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        return SimpleNamespace(logits=self.table[input_ids][:, keep])
 
 
 def test_get_logprobs_batched_equals_unbatched_and_has_no_grad():
