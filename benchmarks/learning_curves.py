@@ -27,6 +27,11 @@ import sys
 import tempfile
 import time
 
+import torch
+
+from benchmarks.phase_time import matmul_gflops
+from grpo_lightning.precision import cpu_info, precision_warning
+
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
@@ -51,7 +56,9 @@ def run_once(config: str, precision: str, seed: int, extra: list[str], keep_root
         events = EventAccumulator(os.path.join(root, "lightning_logs", "version_0"), size_guidance={"scalars": 0})
         events.Reload()
         rewards = [event.value for event in events.Scalars("rollout/reward_mean")]
-    return {"precision": precision, "seed": seed, "rewards": rewards, "seconds": seconds}
+        phase_seconds = sum(event.value for event in events.Scalars("perf/phase_s"))
+    # seconds: the whole command (loading, checkpoints every phase); phase_seconds: the phases themselves
+    return {"precision": precision, "seed": seed, "rewards": rewards, "seconds": seconds, "phase_seconds": phase_seconds}
 
 
 def summarise(runs: list[dict], precisions: list[str]) -> dict:
@@ -83,12 +90,13 @@ def _stdev(values: list[float]) -> float:
 
 def report(config: str, runs: list[dict], summary: dict, precisions: list[str]) -> str:
     phases = len(runs[0]["rewards"])
-    lines = [f"{config}: mean reward per phase (rollout/reward_mean)", ""]
-    header = f"{'precision':<11} {'seed':>4} {'time':>7}  " + " ".join(f"{i + 1:>5}" for i in range(phases))
+    lines = [f"{config}: mean reward per phase (rollout/reward_mean); wall: the whole command, phases: the sum of "
+             "perf/phase_s (rollout and learning, without loading and checkpoint writes)", ""]
+    header = f"{'precision':<11} {'seed':>4} {'wall':>7} {'phases':>7}  " + " ".join(f"{i + 1:>5}" for i in range(phases))
     lines += [header, "-" * len(header)]
     for r in runs:
         curve = " ".join(f"{v:5.2f}" for v in r["rewards"])
-        lines.append(f"{r['precision']:<11} {r['seed']:>4} {r['seconds']:6.0f}s  {curve}")
+        lines.append(f"{r['precision']:<11} {r['seed']:>4} {r['seconds']:6.0f}s {r['phase_seconds']:6.0f}s  {curve}")
     lines.append("")
     for precision in precisions:
         s = summary[precision]
@@ -114,6 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     opts, extra = parser.parse_known_args(argv)  # anything else goes to grpo-lightning fit, e.g. --model.lr 1e-4
     if not os.path.isfile(opts.config):
         parser.error(f"no config file at {opts.config}")
+    cpu = cpu_info()
+    if not cpu.native_bf16 and "bf16-mixed" in opts.precisions:
+        print(f"warning: {precision_warning('bf16-mixed', 'cpu')}", file=sys.stderr, flush=True)
+    machine = {"cpu": {"model": cpu.model, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
+               "matmul_peak_gflops_per_s": {"fp32": matmul_gflops(2048, 2048, 2048, torch.float32)}}  # fmt: skip
+    print(f"CPU: {cpu.describe()}; fp32 matmul peak {machine['matmul_peak_gflops_per_s']['fp32']:.0f} GFLOP/s",
+          file=sys.stderr, flush=True)  # fmt: skip
     runs = []
     for precision in opts.precisions:
         for seed in opts.seeds:
@@ -125,7 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     print(report(opts.config, runs, summary, opts.precisions))
     if opts.out:
         with open(opts.out, "w") as f:
-            json.dump({"config": opts.config, "extra_args": extra, "runs": runs, "summary": summary}, f, indent=2)
+            json.dump({"config": opts.config, "extra_args": extra, "machine": machine, "runs": runs, "summary": summary},
+                      f, indent=2)  # fmt: skip
         print(f"\nwrote {opts.out}")
 
 

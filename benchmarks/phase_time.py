@@ -48,7 +48,8 @@ A forward pass over b sequences that adds n new positions after c cached ones, w
                                             QK^T and attention @ V cost 2 * d_attn FLOPs each per (query, key)
                                             pair; a causal query at position p sees p keys; d_attn = heads*head_dim
   generation = prompt forward (n = P, c = 0, L = 1) + (gen_len - 1) one-token steps (n = 1, c = P + t, L = 1)
-  log-probs  = one forward of the whole group (n = P + gen_len, c = 0, L = gen_len + 1, from logits_to_keep)
+  log-probs  = one forward of the whole group (n = P + gen_len, c = 0, L = gen_len: the unembedding runs only on
+               the positions that predict generated tokens)
   learning   = 3 x the forward of every minibatch (backward = 2 x forward), summed over all minibatches; these
                are model FLOPs: the forward that --activation-checkpointing repeats is not counted as work
 For the embedded SmolLM2-135M (N = 106.2M, d_model = 576, V = 49152, 30 layers, d_attn = 576, P = 3 tokens for
@@ -94,6 +95,7 @@ import transformers
 
 from grpo_lightning import GRPO_Args, GRPOModule
 from grpo_lightning.machine import competing_processes
+from grpo_lightning.precision import cpu_info, precision_warning
 from grpo_lightning.sampling import encode_prompt
 
 WORKLOADS = {
@@ -108,6 +110,7 @@ PARTS = ("generate", "old_lp", "ref_lp", "learn")
 WARMUP_PHASES = 1
 SEED = 1
 PEAK_GEMM_SIZE = 2048
+EMULATED_GEMM_SIZE = 256  # the bf16 "peak" on a CPU that emulates bf16 (a 2048^3 product takes minutes there)
 BUSY_LOADAVG = 0.5  # 1-minute load average above which the machine counts as busy
 BUSY_PROCESS_CPU = 10.0  # % of one core that another process may use before it is named in the warning
 
@@ -202,13 +205,18 @@ def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int, finetune: str
         forward_flops(dims, batch, 1, prompt_len + t, 1) for t in range(gen_len - 1)
     )
     # Chunking into minibatches does not change the count: it is linear in the batch.
-    logprobs = forward_flops(dims, batch, seq_len, 0, gen_len + 1)
+    logprobs = forward_flops(dims, batch, seq_len, 0, gen_len)
     # Every sequence once per pass; backward = 2x forward (activation and weight gradients), or 1x with
     # LoRA, whose frozen base weights need no weight gradients (the adapters' own FLOPs are negligible).
     # Model FLOPs only: activation checkpointing's recomputed forward is not counted as useful work.
     learn = (3 if finetune == "full" else 2) * logprobs * args.batches_per_learning_phase
     old_lp = logprobs if opts.recompute_old_logprobs else 0  # by default log pi_old comes from sampling
     return {"generate": generate, "old_lp": old_lp, "ref_lp": logprobs, "learn": learn}
+
+
+def flop_limit_s(flops: dict[str, float], peak_gflops: float) -> float:
+    """Seconds the phase's matmul FLOPs (all parts) take at ``peak_gflops``: no real phase can be faster."""
+    return sum(flops.values()) / 1e9 / peak_gflops
 
 
 # ---- machine: matmul peak, memory, CPU use -----------------------------------------------------
@@ -227,11 +235,17 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) 
     return 2 * m * k * n / best / 1e9
 
 
-def measure_peaks(dims: ModelDims, args: GRPO_Args, prompt_len: int) -> dict[str, float]:
-    """Square-GEMM peak per dtype, and the rate of one minibatch's MLP up-projection (for context)."""
+def measure_peaks(dims: ModelDims, args: GRPO_Args, prompt_len: int, native_bf16: bool) -> dict[str, float]:
+    """Square-GEMM peak per dtype, and the rate of one minibatch's MLP up-projection (for context).
+
+    Without native bf16 a 2048^3 bf16 product is emulated and takes minutes: its rate is then measured on
+    a 256^3 product (a fraction of a second), which is enough to show how slow it is."""
     tokens = args.minibatch_size * (prompt_len + args.gen_len)
     peaks = {}
     for name, dtype in DTYPES.items():
+        if name == "bf16" and not native_bf16:
+            peaks[name] = matmul_gflops(EMULATED_GEMM_SIZE, EMULATED_GEMM_SIZE, EMULATED_GEMM_SIZE, dtype, repeats=2)
+            continue
         peaks[name] = matmul_gflops(PEAK_GEMM_SIZE, PEAK_GEMM_SIZE, PEAK_GEMM_SIZE, dtype)
         peaks[f"model_shape_{name}"] = matmul_gflops(tokens, dims.d_model, dims.d_ff, dtype)
     return peaks
@@ -282,7 +296,7 @@ def measure(workload: str, precision: str, phases: int, model: str | None, finet
     dims = model_dims(base)
     prompt_len = encode_prompt(module.tokenizer, module.args.prompt).shape[1]
     flops = phase_flops(dims, module.args, prompt_len, finetune, opts)
-    peaks = measure_peaks(dims, module.args, prompt_len)
+    peaks = measure_peaks(dims, module.args, prompt_len, cpu_info().native_bf16)
     peak = peaks[COMPUTE_DTYPE[precision]]
     mean_s = {key: statistics.mean(t[key] for t in per_phase) for key in (*PARTS, "total")}
     gflops = {part: flops[part] / mean_s[part] / 1e9 if mean_s[part] > 0 else 0.0 for part in PARTS}
@@ -307,6 +321,9 @@ def measure(workload: str, precision: str, phases: int, model: str | None, finet
         "gflop_per_phase": {part: f / 1e9 for part, f in flops.items()},
         "gflops_per_s": gflops,
         "fraction_of_peak": {part: g / peak for part, g in gflops.items()},
+        # The honest yardstick across machines: the phase's matmul FLOPs at this machine's measured peak.
+        "flop_limit_s": flop_limit_s(flops, peak),
+        "total_over_flop_limit": mean_s["total"] / flop_limit_s(flops, peak),
         "matmul_peak_gflops_per_s": peaks,
         "peak_rss_mib": peak_rss,
         "checkpoint_mib": checkpoint_size,
@@ -348,13 +365,16 @@ def format_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def timing_table(results: list[dict]) -> str:
     headers = ["workload", "precision", "finetune", "generate s", "old-lp s", "ref-lp s", "learn s", "total s",
-               "gen tok/s", "learn GFLOP/s", "% peak", "peak RSS MiB", "ckpt MiB", "cpu %"]  # fmt: skip
+               "limit s", "x limit", "gen tok/s", "learn GFLOP/s", "% peak", "peak RSS MiB", "ckpt MiB",
+               "cpu %"]  # fmt: skip
     rows = []
     for r in results:
         t = r["mean_s"]
         rows.append([
             r["workload"], r["precision"], r["finetune"],
             *(f"{t[key]:.2f}" for key in (*PARTS, "total")),
+            f"{r['flop_limit_s']:.2f}",
+            f"{r['total_over_flop_limit']:.2f}",
             f"{r['generated_tokens_per_s']:.0f}",
             f"{r['gflops_per_s']['learn']:.1f}",
             f"{100 * r['fraction_of_peak']['learn']:.1f}",
@@ -378,16 +398,27 @@ def throughput_table(results: list[dict]) -> str:
     return format_table(headers, rows)
 
 
+def machine_line(results: list[dict]) -> str:
+    """The CPU, the features that decide its fp32 and bf16 speed, and the peaks measured on it."""
+    cpu = cpu_info()
+    peaks = results[0]["matmul_peak_gflops_per_s"]
+    bf16 = f"bf16 {peaks['bf16']:.0f}" + ("" if cpu.native_bf16 else f" (emulated; {EMULATED_GEMM_SIZE}^3)")
+    kind = "native bf16" if cpu.native_bf16 else "no native bf16"
+    return f"CPU: {cpu.describe()}, {kind}; matmul peak GFLOP/s: fp32 {peaks['fp32']:.0f}, {bf16}"
+
+
 def report(results: list[dict], phases: int, warning: str | None) -> str:
     first = results[0]
     dims = first["model_dims"]
     lines = [
+        machine_line(results),
         f"GRPO phase time: mean of {phases} measured phase(s) after {WARMUP_PHASES} warm-up, "
         f"model {first['model']} ({dims['matmul_params'] / 1e6:.1f}M non-embedding matmul params, "
         f"{dims['n_layers']} layers, d_model {dims['d_model']}, vocab {dims['vocab']}), "
         f"torch {torch.__version__}, {first['torch_threads']} threads",
         "",
         timing_table(results),
+        "limit s: the phase's matmul FLOPs at the measured peak of its dtype; x limit: total s / limit s.",
         "",
         "Achieved matmul GFLOP/s per part (% of the peak of the dtype the precision computes in); peaks are the "
         f"GFLOP/s of a {PEAK_GEMM_SIZE}^3 torch.matmul, measured in each run:",
@@ -450,6 +481,13 @@ def main(argv: list[str] | None = None) -> None:
         print(warning, file=sys.stderr, flush=True)
     workloads = list(WORKLOADS) if opts.workload == "both" else [opts.workload]
     precisions = list(PRECISIONS) if opts.precision == "both" else [opts.precision]
+    cpu = cpu_info()
+    if not cpu.native_bf16 and "bf16-mixed" in precisions:
+        if opts.precision == "both":  # hours of emulated bf16 would measure nothing a user should run
+            precisions.remove("bf16-mixed")
+            print(f"skipping bf16-mixed: this CPU has no native bf16 ({cpu.describe()})", file=sys.stderr, flush=True)
+        else:
+            print(f"warning: {precision_warning('bf16-mixed', 'cpu')}", file=sys.stderr, flush=True)
     finetunes = list(FINETUNES) if opts.finetune == "both" else [opts.finetune]
     results = []
     for workload in workloads:
@@ -466,6 +504,8 @@ def main(argv: list[str] | None = None) -> None:
             "torch": torch.__version__,
             "python": platform.python_version(),
             "processor": platform.processor() or platform.machine(),
+            "cpu": {"model": cpu.model, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
+            "matmul_peak_gflops_per_s": results[0]["matmul_peak_gflops_per_s"],
             "cpu_count": psutil.cpu_count(),
             "phases": opts.phases,
             "warmup_phases": WARMUP_PHASES,

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from benchmarks.learning_curves import summarise
-from benchmarks.phase_time import ModelDims, forward_flops, phase_flops
+from benchmarks.phase_time import ModelDims, flop_limit_s, forward_flops, phase_flops
 from grpo_lightning import GRPO_Args
 
 DIMS = ModelDims(matmul_params=1000, d_model=10, vocab=50, n_layers=2, d_attn=8, d_ff=40)
@@ -26,7 +26,8 @@ def test_phase_flops_counts_old_logprobs_only_when_recomputed(recompute):
                      warmup_steps=0)  # fmt: skip
     opts = argparse.Namespace(recompute_old_logprobs=recompute, activation_checkpointing=False)
     flops = phase_flops(DIMS, args, prompt_len=2, finetune="full", opts=opts)
-    one_forward = forward_flops(DIMS, batch=4, new=5, cached=0, logit_positions=4)
+    # logits at the gen_len = 3 positions that predict generated tokens
+    one_forward = forward_flops(DIMS, batch=4, new=5, cached=0, logit_positions=3)
     assert flops["ref_lp"] == one_forward
     assert flops["old_lp"] == (one_forward if recompute else 0)
     assert flops["learn"] == 3 * one_forward * 2  # forward + backward (2x), two passes
@@ -52,3 +53,8 @@ def test_learning_curve_summary_by_hand():
     assert difference["value"] == 0.0
     assert difference["stderr"] == pytest.approx((2 / 2 + 0 / 2) ** 0.5)  # sqrt(s_a^2/n_a + s_b^2/n_b)
     assert difference["within_noise"] is True
+
+
+def test_flop_limit_is_the_phase_flops_at_the_peak():
+    flops = {"generate": 100e9, "old_lp": 0, "ref_lp": 100e9, "learn": 300e9}
+    assert flop_limit_s(flops, peak_gflops=250.0) == 2.0  # 500 GFLOP at 250 GFLOP/s
