@@ -29,7 +29,7 @@ import time
 
 import torch
 
-from benchmarks.phase_time import matmul_gflops
+from grpo_lightning.machine import matmul_gflops
 from grpo_lightning.precision import cpu_info, precision_warning
 
 PRECISIONS = ("32-true", "bf16-mixed")

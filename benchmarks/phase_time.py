@@ -94,7 +94,7 @@ import torch
 import transformers
 
 from grpo_lightning import GRPO_Args, GRPOModule
-from grpo_lightning.machine import competing_processes
+from grpo_lightning.machine import competing_processes, matmul_gflops
 from grpo_lightning.precision import cpu_info, precision_warning
 from grpo_lightning.sampling import encode_prompt
 
@@ -220,19 +220,6 @@ def flop_limit_s(flops: dict[str, float], peak_gflops: float) -> float:
 
 
 # ---- machine: matmul peak, memory, CPU use -----------------------------------------------------
-
-
-def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
-    """Best-of-``repeats`` GFLOP/s of an (m, k) @ (k, n) torch.matmul into a preallocated output."""
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    out = torch.empty(m, n, dtype=dtype)
-    torch.matmul(a, b, out=out)  # the first call picks and primes the kernel
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2 * m * k * n / best / 1e9
 
 
 def measure_peaks(dims: ModelDims, args: GRPO_Args, prompt_len: int, native_bf16: bool) -> dict[str, float]:

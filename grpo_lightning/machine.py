@@ -67,3 +67,16 @@ def cpu_contention_warning(busy: list[str], threads: int | None = None, cores: i
         f"{cores} cores, and competing for them can slow it down several-fold. Stop them, or give the run fewer "
         "threads (OMP_NUM_THREADS) for a steadier speed."
     )
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
+    """Best-of-``repeats`` GFLOP/s of an (m, k) @ (k, n) torch.matmul into a preallocated output."""
+    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+    out = torch.empty(m, n, dtype=dtype)
+    torch.matmul(a, b, out=out)  # the first call picks and primes the kernel
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b, out=out)
+        best = min(best, time.perf_counter() - start)
+    return 2 * m * k * n / best / 1e9
