@@ -214,6 +214,29 @@ def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int, finetune: str
     return {"generate": generate, "old_lp": old_lp, "ref_lp": logprobs, "learn": learn}
 
 
+def run_meta() -> dict:
+    """What a benchmark's JSON records about the run and the machine it ran on."""
+    cpu = cpu_info()
+    return {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": sys.argv,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu": {"model": cpu.model, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
+        "cpu_count": psutil.cpu_count(),
+    }
+
+
+def write_results(path: str, results: list[dict], phases: int, warning: str | None, **meta) -> None:
+    """The JSON of a benchmark run: the machine and the run (``run_meta``, plus ``meta``), and every result."""
+    meta = {**run_meta(), **meta, "phases": phases, "warmup_phases": WARMUP_PHASES, "busy_warning": warning}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    print(f"\nwrote {path}")
+
+
 def flop_limit_s(flops: dict[str, float], peak_gflops: float) -> float:
     """Seconds the phase's matmul FLOPs (all parts) take at ``peak_gflops``: no real phase can be faster."""
     return sum(flops.values()) / 1e9 / peak_gflops
@@ -222,20 +245,24 @@ def flop_limit_s(flops: dict[str, float], peak_gflops: float) -> float:
 # ---- machine: matmul peak, memory, CPU use -----------------------------------------------------
 
 
-def measure_peaks(dims: ModelDims, args: GRPO_Args, prompt_len: int, native_bf16: bool) -> dict[str, float]:
-    """Square-GEMM peak per dtype, and the rate of one minibatch's MLP up-projection (for context).
+def square_gemm_peaks(native_bf16: bool) -> dict[str, float]:
+    """GFLOP/s of a 2048^3 torch.matmul per dtype, measured first thing in a fresh process (measured after
+    training, with gigabytes allocated and freed, it came out up to half as high on the same machine).
 
     Without native bf16 a 2048^3 bf16 product is emulated and takes minutes: its rate is then measured on
     a 256^3 product (a fraction of a second), which is enough to show how slow it is."""
-    tokens = args.minibatch_size * (prompt_len + args.gen_len)
     peaks = {}
     for name, dtype in DTYPES.items():
-        if name == "bf16" and not native_bf16:
-            peaks[name] = matmul_gflops(EMULATED_GEMM_SIZE, EMULATED_GEMM_SIZE, EMULATED_GEMM_SIZE, dtype, repeats=2)
-            continue
-        peaks[name] = matmul_gflops(PEAK_GEMM_SIZE, PEAK_GEMM_SIZE, PEAK_GEMM_SIZE, dtype)
-        peaks[f"model_shape_{name}"] = matmul_gflops(tokens, dims.d_model, dims.d_ff, dtype)
+        size = PEAK_GEMM_SIZE if name == "fp32" or native_bf16 else EMULATED_GEMM_SIZE
+        peaks[name] = matmul_gflops(size, size, size, dtype, repeats=5 if size == PEAK_GEMM_SIZE else 2)
     return peaks
+
+
+def model_shape_rates(dims: ModelDims, args: GRPO_Args, prompt_len: int, native_bf16: bool) -> dict[str, float]:
+    """The rate of one minibatch's MLP up-projection (tokens x d_model x d_ff) per dtype, for context."""
+    tokens = args.minibatch_size * (prompt_len + args.gen_len)
+    names = [name for name in DTYPES if name == "fp32" or native_bf16]
+    return {f"model_shape_{name}": matmul_gflops(tokens, dims.d_model, dims.d_ff, DTYPES[name]) for name in names}
 
 
 def peak_rss_mib() -> float:
@@ -267,6 +294,8 @@ def busy_machine_warning(sample_s: float = 1.0) -> str | None:
 
 def measure(workload: str, precision: str, phases: int, model: str | None, finetune: str, opts) -> dict:
     loadavg_start = os.getloadavg()[0]
+    native_bf16 = cpu_info().native_bf16
+    peaks = square_gemm_peaks(native_bf16)
     transformers.utils.logging.disable_progress_bar()  # one "Loading weights" bar per model would clutter the report
     module = make_module(workload, phases, model, finetune, opts)
     recorder = PhaseRecorder()
@@ -283,7 +312,7 @@ def measure(workload: str, precision: str, phases: int, model: str | None, finet
     dims = model_dims(base)
     prompt_len = encode_prompt(module.tokenizer, module.args.prompt).shape[1]
     flops = phase_flops(dims, module.args, prompt_len, finetune, opts)
-    peaks = measure_peaks(dims, module.args, prompt_len, cpu_info().native_bf16)
+    peaks.update(model_shape_rates(dims, module.args, prompt_len, native_bf16))
     peak = peaks[COMPUTE_DTYPE[precision]]
     mean_s = {key: statistics.mean(t[key] for t in per_phase) for key in (*PARTS, "total")}
     gflops = {part: flops[part] / mean_s[part] / 1e9 if mean_s[part] > 0 else 0.0 for part in PARTS}
@@ -421,7 +450,7 @@ def report(results: list[dict], phases: int, warning: str | None) -> str:
         + "; ".join(
             f"{r['workload']}/{r['precision']}: "
             + f"fp32 {r['matmul_peak_gflops_per_s']['model_shape_fp32']:.0f}, "
-            + f"bf16 {r['matmul_peak_gflops_per_s']['model_shape_bf16']:.0f}"
+            + f"bf16 {r['matmul_peak_gflops_per_s'].get('model_shape_bf16', float('nan')):.0f}"
             for r in results
         ),
     ]
@@ -485,22 +514,8 @@ def main(argv: list[str] | None = None) -> None:
 
     print(report(results, opts.phases, warning))
     if opts.out:
-        meta = {
-            "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "command": sys.argv,
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu": {"model": cpu.model, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
-            "matmul_peak_gflops_per_s": results[0]["matmul_peak_gflops_per_s"],
-            "cpu_count": psutil.cpu_count(),
-            "phases": opts.phases,
-            "warmup_phases": WARMUP_PHASES,
-            "busy_warning": warning,
-        }
-        with open(opts.out, "w") as f:
-            json.dump({"meta": meta, "results": results}, f, indent=2)
-        print(f"\nwrote {opts.out}")
+        peaks = results[0]["matmul_peak_gflops_per_s"]
+        write_results(opts.out, results, opts.phases, warning, matmul_peak_gflops_per_s=peaks)
 
 
 if __name__ == "__main__":

@@ -60,6 +60,8 @@ SHORT_SEQUENCE_TOKENS = 64
 warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 warnings.filterwarnings("ignore", message=r"Your `IterableDataset` has `__len__` defined")
 warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+# - the model summary cannot size bf16-mixed parameters (they are fp32; the summary says so itself);
+warnings.filterwarnings("ignore", message=r"Precision bf16-mixed is not supported by the model summary")
 # - a reward model is stored in hparams as plain data (its class_path/init_args), not as a module.
 warnings.filterwarnings("ignore", message=r"Attribute 'reward' is an instance of `nn.Module`")
 

@@ -37,33 +37,61 @@ def packing_available(model: torch.nn.Module) -> bool:
     )
 
 
-def _packed_forward(layer: torch.nn.Linear, rows: int):
-    """A forward for ``layer`` that uses its weight packed for inputs of ``rows`` rows."""
-    weight, bias = layer.weight, layer.bias
+def _packed_forward(module: torch.nn.Module, weight: Tensor, bias: Tensor | None, rows: int):
+    """A forward for ``module`` computing ``F.linear(x, weight, bias)`` with ``weight`` packed for inputs of
+    ``rows`` rows. With gradients enabled it is the module's own forward (the packed product has no backward)."""
+    own_forward = type(module).forward.__get__(module)
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
 
     def forward(x: Tensor) -> Tensor:
-        if x.numel() // x.shape[-1] != rows or torch.is_grad_enabled():
+        if torch.is_grad_enabled():
+            return own_forward(x)
+        if x.numel() // x.shape[-1] != rows:  # e.g. the prompt's forward
             return F.linear(x, weight, bias)
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
     return forward
 
 
+def _active_lora_delta(layer: torch.nn.Module) -> Tensor | None:
+    """For a peft LoRA linear layer whose adapters are on: the sum of their ``scaling * B @ A``, which its
+    forward adds to the base layer's output (dropout is off in eval mode). None for any other layer, or
+    when a variant (DoRA, ...) or a mixed batch makes the adapters more than a weight delta."""
+    if not (hasattr(layer, "get_delta_weight") and isinstance(getattr(layer, "base_layer", None), torch.nn.Linear)):
+        return None
+    if layer.disable_adapters or layer.merged or getattr(layer, "lora_variant", None):
+        return None
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    return sum(layer.get_delta_weight(name) for name in active) if active else None
+
+
 @contextlib.contextmanager
 def packed_linear_weights(model: torch.nn.Module, rows: int):
     """Within the block, ``model``'s linear layers multiply inputs of ``rows`` rows with MKL-packed weights.
 
-    ``rows`` is the number of token positions per decode step (the group size B). Packing takes one pass
-    over the weights and as much memory again as the linear weights; both are freed at the end."""
+    ``rows`` is the number of token positions per decode step (the group size B). A LoRA layer whose
+    adapters are on is packed as one merged weight ``W + scaling * B @ A`` (the same function, one product
+    instead of three); with its adapters off, its base layer is packed. Packing takes one pass over the
+    weights and as much memory again as the linear weights; both are freed at the end."""
     if not packing_available(model):
         yield
         return
-    layers = [m for m in model.modules() if type(m) is torch.nn.Linear and m.weight.numel() >= MIN_PACKED_WEIGHT]
+    patched, covered = [], set()  # covered: modules a patched LoRA layer no longer calls
+    with torch.no_grad():
+        for module in model.modules():  # parents come before their children
+            delta = _active_lora_delta(module)
+            if delta is not None:
+                base = module.base_layer
+                # an instance attribute shadows the class's forward
+                module.forward = _packed_forward(module, base.weight + delta, base.bias, rows)
+                covered.update(map(id, module.modules()))
+            elif type(module) is torch.nn.Linear and id(module) not in covered and module.weight.numel() >= MIN_PACKED_WEIGHT:
+                module.forward = _packed_forward(module, module.weight, module.bias, rows)
+            else:
+                continue
+            patched.append(module)
     try:
-        for layer in layers:
-            layer.forward = _packed_forward(layer, rows)  # an instance attribute shadows the class's forward
         yield
     finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+        for module in patched:
+            module.__dict__.pop("forward", None)

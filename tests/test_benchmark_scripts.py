@@ -58,3 +58,15 @@ def test_learning_curve_summary_by_hand():
 def test_flop_limit_is_the_phase_flops_at_the_peak():
     flops = {"generate": 100e9, "old_lp": 0, "ref_lp": 100e9, "learn": 300e9}
     assert flop_limit_s(flops, peak_gflops=250.0) == 2.0  # 500 GFLOP at 250 GFLOP/s
+
+
+def test_comparison_rows_pair_workloads_and_use_the_best_peak_for_both_limits():
+    from benchmarks.compare_trl import comparison_rows
+
+    ours = [{"workload": "small", "finetune": "full", "precision": "32-true", "mean_s": {"total": 10.0},
+             "gflop_per_phase": {"generate": 300.0, "ref_lp": 200.0}, "matmul_peak_gflops_per_s": {"fp32": 100.0}}]
+    trl = [{"workload": "small", "mean_s": {"total": 25.0}, "gflop_per_phase": {"generate": 300.0, "old_lp": 200.0,
+            "ref_lp": 200.0}, "matmul_peak_gflops_per_s": {"fp32": 50.0}},  # a run whose peak came out low
+           {"workload": "default", "mean_s": {"total": 99.0}, "gflop_per_phase": {}, "matmul_peak_gflops_per_s": {"fp32": 1.0}}]
+    # peak 100 GFLOP/s: ours 500 GFLOP -> 5 s, TRL 700 GFLOP -> 7 s; "default" has no run of ours
+    assert comparison_rows(ours, trl) == [["small", "full", "32-true", "10.0", "5.0", "2.00", "25.0", "7.0", "3.57", "2.50"]]

@@ -46,10 +46,7 @@ def test_lean_decoder_matches_the_full_forward(tiny_model, prompt_len, attention
 
 @torch.no_grad()
 def test_lean_decoder_runs_lora_adapters_and_their_switch(tiny_model):
-    lora = apply_lora(tiny_model, LoraSettings(), seed=0)
-    for name, param in lora.named_parameters():  # adapters start as a no-op (B = 0): make them count
-        if "lora_B" in name:
-            param.copy_(torch.randn_like(param) * 0.5)
+    lora = lora_with_live_adapters(tiny_model)
     ids = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(1))
     with_adapters = full_forward(lora, ids, 2)
     torch.testing.assert_close(decode_all(LeanDecoder(lora, 3, 7), ids, 2), with_adapters, rtol=0, atol=1e-5)
@@ -117,3 +114,39 @@ def test_softmax_parts_by_hand():
     torch.testing.assert_close(entropy, torch.full((2,), math.log(4) - 0.75 * math.log(3)), rtol=1e-6, atol=0)
     one_hot = softmax_parts(torch.tensor([[5.0, -math.inf, -math.inf]]))
     assert one_hot[2].item() == 0.0 and one_hot[1].item() == 5.0
+
+
+def lora_with_live_adapters(model):
+    lora = apply_lora(model, LoraSettings(), seed=0)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():  # adapters start as a no-op (B = 0): make them count
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param) * 0.5)
+    return lora
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL packing needs MKL")
+def test_packed_lora_layers_compute_the_adapted_and_the_switched_off_model():
+    model = build_tiny_llama(vocab_size=300, seed=4)
+    lora = lora_with_live_adapters(model)  # its projections are below MIN_PACKED_WEIGHT: lowered below
+    ids = torch.randint(0, 300, (3, 6), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        with_adapters = lora(input_ids=ids).logits
+        with lora.disable_adapter():
+            without = lora(input_ids=ids).logits
+    import grpo_lightning.packed_linear as packed_linear
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
+        with torch.no_grad(), packed_linear_weights(lora, rows=3 * 6):  # the whole sequence: every product packed
+            q_proj = lora.get_base_model().model.layers[0].self_attn.q_proj
+            assert "forward" in vars(q_proj) and "forward" not in vars(q_proj.base_layer)  # one merged product
+            torch.testing.assert_close(lora(input_ids=ids).logits, with_adapters, rtol=0, atol=1e-5)
+        with torch.no_grad(), lora.disable_adapter(), packed_linear_weights(lora, rows=3 * 6):
+            assert "forward" in vars(q_proj.base_layer)  # adapters off: the base layer alone, packed
+            torch.testing.assert_close(lora(input_ids=ids).logits, without, rtol=0, atol=1e-5)
+        with packed_linear_weights(lora, rows=3 * 6):  # gradients on: the adapters' own forward, and their gradients
+            lora(input_ids=ids).logits.sum().backward()
+    grads = [p.grad for n, p in lora.named_parameters() if "lora_A" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    assert not any("forward" in vars(m) for m in lora.modules())  # all restored
