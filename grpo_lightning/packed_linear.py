@@ -5,11 +5,13 @@ Sampling runs the policy on one new token per sequence per step: every linear la
 sgemm) reaches only half of the CPU's fp32 matmul peak at B = 32; MKL's packed sgemm, which lays the weight
 out once in the kernel's own blocked format, reaches 80-95 % (benchmarks in the README, "Performance").
 The weights do not change during a rollout, so they are packed once at its start and every decode step
-reuses them. The results are the same sgemm's: the sampled tokens and their log-probabilities do not change.
+reuses them. The products agree with ``F.linear`` to float rounding (bit for bit in the cases measured); a
+LoRA layer, packed as its merged weight, rounds as a merged weight does (tests/test_fast_decode.py).
 
 Only where it helps and is safe: fp32 weights on a CPU with MKL, outside autocast (bf16-mixed runs use
-oneDNN's bf16 kernels), and under ``torch.no_grad`` (the packed product has no backward). Anything else,
-or an input whose row count is not the packed one (the prompt's forward), takes the ordinary ``F.linear``.
+oneDNN's bf16 kernels), and under ``torch.no_grad``: with gradients enabled a layer runs its own forward (the
+packed product has no backward), and an input whose row count is not the packed one (the prompt's forward)
+takes the ordinary ``F.linear``.
 """
 
 from __future__ import annotations
