@@ -56,7 +56,7 @@ class LeanDecoder:
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int):
         lm = _language_model(model)
         self.lm, self.body, self.config = lm, lm.model, lm.config
-        self.batch, self.max_len, self.length = batch, max_len, 0
+        self.max_len, self.length = max_len, 0
         attention = self.body.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.kv_heads = self.config.num_key_value_heads

@@ -85,11 +85,10 @@ def token_entropy(logits: Tensor) -> Tensor:
     return entropy_from_logprobs(torch.log_softmax(logits.to(dtype), dim=-1))
 
 
-def entropy_from_logprobs(logprobs: Tensor, probs: Tensor | None = None) -> Tensor:
-    """Entropy in nats of full log-probabilities ``(..., V) -> (...)``; ``probs`` is ``logprobs.exp()``,
-    passed in where the caller has it already (sampling does, every generated token)."""
-    if probs is None:
-        probs = logprobs.exp()
+def entropy_from_logprobs(logprobs: Tensor) -> Tensor:
+    """Entropy in nats of full log-probabilities ``(..., V) -> (...)``. The readable reference: sampling
+    computes the same quantity in fewer passes (``grpo_lightning.sampling.softmax_parts``), checked against it."""
+    probs = logprobs.exp()
     # 0 * -inf is NaN: zero the log of impossible tokens, their probability is exactly 0 anyway.
     return -(probs * logprobs.masked_fill(torch.isneginf(logprobs), 0.0)).sum(dim=-1)
 

@@ -60,8 +60,8 @@ def sample_completions_with_logprobs(
     """Samples ``gen_len`` tokens after each row of ``prompt_ids`` (B, P), keeping log pi of each token.
 
     A KV-cached loop (``grpo_lightning.fast_decode``): one forward of the prompt, then one token per
-    step sampled from ``softmax(logits / temperature)`` over the full vocabulary. The attention mask is all ones
-    (there is no padding), so the context sampled from is the one log-probabilities are taken on.
+    step sampled from ``softmax(logits / temperature)`` over the full vocabulary. The attention mask is
+    all ones (there is no padding), so the context sampled from is the one log-probabilities are taken on.
 
     The log-probabilities and entropies are those of the policy itself (temperature 1), in float32,
     from the very logits the tokens were drawn from: they are log pi_old of the rollout, so the
