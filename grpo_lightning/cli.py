@@ -8,16 +8,24 @@ Settings errors end in one line (``error: ...``) instead of a usage dump or a tr
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
 import sys
 
 from jsonargparse import ArgumentError
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+from .callbacks import StopAtSafePoints
+from .checkpointing import AtomicCheckpointIO, PhaseCheckpoint
 from .config import GRPOError
+from .interrupt import STOP, StopRequested
 from .module import GRPOModule
 from .precision import choose_precision, precision_warning, resolve_accelerator
+from .resume import check_resume, read_checkpoint_settings, resolve_ckpt_path
 
 
 class GRPOLightningCLI(LightningCLI):
@@ -25,6 +33,36 @@ class GRPOLightningCLI(LightningCLI):
         # One epoch is one phase: the number of epochs *is* total_phases, so it is set in one place.
         parser.link_arguments("model.total_phases", "trainer.max_epochs")
         parser.link_arguments("model.max_grad_norm", "trainer.gradient_clip_val")
+
+    def parse_arguments(self, parser, args) -> None:
+        self._args = args  # kept to parse them again over a checkpoint's settings (_parse_ckpt_path)
+        super().parse_arguments(parser, args)
+
+    def _parse_ckpt_path(self) -> None:
+        """``--ckpt_path``: ``last`` is resolved, and the run's settings are the defaults, overridden by the
+        checkpoint's settings, overridden by what the user typed (Lightning lets the checkpoint win)."""
+        subcommand = self.config.get("subcommand")
+        if not subcommand or not self.config[subcommand].get("ckpt_path"):
+            return
+        config = self.config[subcommand]
+        path = resolve_ckpt_path(config.ckpt_path, config.trainer.default_root_dir or ".")
+        saved, done = read_checkpoint_settings(path)
+        model_parser = self._subcommand_parsers[subcommand]
+        model_parser.set_defaults({f"model.{name}": value for name, value in saved.items()})
+        self.parse_arguments(self.parser, self._args)
+        config = self.config[subcommand]
+        config.ckpt_path = path
+        said = check_resume(path, saved, done, config.model.as_dict(), extending=subcommand == "fit")
+        _say(said)
+
+    def _instantiate_trainer(self, config: dict, callbacks: list):
+        # Checkpoints are written atomically and read weights_only, unless the user brings a CheckpointIO of
+        # their own. Added here, not in trainer_defaults, where the parser would try to serialize it.
+        plugins = config.get("plugins") or []
+        plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
+        if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
+            config["plugins"] = [*plugins, AtomicCheckpointIO()]
+        return super()._instantiate_trainer(config, callbacks)
 
     def before_instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
@@ -57,8 +95,11 @@ def trainer_defaults() -> dict:
         "log_every_n_steps": 1,  # a phase has only a handful of steps
         "num_sanity_val_steps": 0,
         # A checkpoint at the end of every phase (last.ckpt links to it), never mid-phase: a mid-phase
-        # checkpoint would resume with an empty replay memory.
-        "callbacks": [ModelCheckpoint(save_last="link", save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True)],
+        # checkpoint would resume with an empty replay memory. Written atomically, read weights_only.
+        "callbacks": [
+            PhaseCheckpoint(save_last="link", save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True),
+            StopAtSafePoints(),
+        ],
     }
 
 
@@ -83,16 +124,51 @@ def main(args=None) -> int | None:
         if code:
             sys.exit(code)
         return code
+    STOP.install()
     try:
         make_cli(args)
+    except (StopRequested, SIGTERMException, KeyboardInterrupt) as stop:
+        sys.exit(report_stop(stop, argv))
     except (GRPOError, ArgumentError, ValueError) as error:
         # jsonargparse wraps an error raised while building a reward from YAML in a ValueError of
         # its own: report the project's error it carries, if any.
         own = _project_error(error)
         if own is None and not isinstance(error, ArgumentError):
             raise
-        print(f"error: {_one_line(own or error)}", file=sys.stderr)
+        last = getattr(own, "grpo_last_checkpoint", None)  # the run had started: say what is kept
+        kept = f"; the last checkpoint, intact, is {last} (resume with --ckpt_path {last})" if last else ""
+        print(f"error: {_one_line(own or error)}{kept}", file=sys.stderr)
         sys.exit(1 if own is not None else 2)
+    finally:
+        STOP.restore()
+
+
+def report_stop(stop: BaseException, argv: list[str]) -> int:
+    """Says where a stopped run is and the exact command that resumes it; returns the exit code."""
+    signum = getattr(stop, "signum", signal.SIGTERM if isinstance(stop, SIGTERMException) else signal.SIGINT)
+    phase, total = getattr(stop, "grpo_phase", None), getattr(stop, "grpo_total_phases", None)
+    where = f" during phase {phase} of {total}" if phase is not None else ""
+    _say(f"stopped by {signal.Signals(signum).name}{where}; logs flushed", file=sys.stderr)
+    last = getattr(stop, "grpo_last_checkpoint", None)
+    if last:
+        _say(f"the last checkpoint is {last}; resume with: {resume_command(argv, last)}", file=sys.stderr)
+    else:
+        _say("no phase had finished, so there is no checkpoint: run the same command to start again", file=sys.stderr)
+    return 128 + signum
+
+
+def resume_command(argv: list[str], checkpoint: str) -> str:
+    """The command line that was run, with ``--ckpt_path`` (replaced if it was there) naming ``checkpoint``."""
+    program = sys.argv[0] if os.path.basename(sys.argv[0]) == "grpo-lightning" else "grpo-lightning"
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--ckpt_path":
+            skip = True
+        elif not arg.startswith("--ckpt_path="):
+            kept.append(arg)
+    return shlex.join([program, *kept, "--ckpt_path", str(checkpoint)])
 
 
 def _project_error(error: BaseException | None) -> GRPOError | None:

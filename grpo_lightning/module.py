@@ -33,6 +33,7 @@ from .kl import KL_ESTIMATORS, kl_in_reward, kl_loss_penalty
 from .lora import LoraSettings, apply_lora
 from .machine import competing_processes, cpu_contention_warning, fit_threads_to_cpus
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
+from .guards import NonFiniteSteps
 from .models import check_model_name, load_causal_lm, load_tokenizer
 from .objectives import (
     calc_clipped_surrogate_objective,
@@ -89,6 +90,7 @@ class GRPOModule(L.LightningModule):
         warmup_steps: int = 10,
         final_scale: float = 0.1,
         max_grad_norm: float = 1.0,
+        max_nonfinite_steps: int = 3,
         clip_coef: float = 0.2,
         kl_coef: float = 0.3,
         kl_estimator: str = "k2",
@@ -120,6 +122,9 @@ class GRPOModule(L.LightningModule):
             warmup_steps: phases of linear LR warmup.
             final_scale: LR multiplier reached at the last phase, after linear decay.
             max_grad_norm: gradient-norm clipping threshold (the trainer's gradient_clip_val wins if set).
+            max_nonfinite_steps: a learning step whose loss or gradient is NaN or inf is skipped (nothing
+                is applied) and counted (``train/nonfinite_steps``); this many in a row stop the run with
+                one line, the last good checkpoint intact.
             clip_coef: epsilon of the clipped surrogate, in (0, 1).
             kl_coef: beta, weight of the KL penalty to the reference model; 0 loads no reference.
             kl_estimator: how the KL is penalised: "k2" (default) in the loss, whose gradient is that of
@@ -152,6 +157,8 @@ class GRPOModule(L.LightningModule):
             raise GRPOConfigError(f"kl_estimator ({kl_estimator!r}) must be one of {', '.join(map(repr, KL_ESTIMATORS))}")
         if samples_shown < 0:
             raise GRPOConfigError(f"samples_shown ({samples_shown}) must be >= 0")
+        if max_nonfinite_steps < 1:
+            raise GRPOConfigError(f"max_nonfinite_steps ({max_nonfinite_steps}) must be at least 1")
         if reward is None:
             reward = CharCount(".")
         if isinstance(reward, torch.nn.Module):  # a reward model: a child, so Lightning places it; never trained
@@ -171,6 +178,7 @@ class GRPOModule(L.LightningModule):
         self.recompute_old_logprobs = recompute_old_logprobs
         self.activation_checkpointing = activation_checkpointing
         self.attn_implementation = attn_implementation
+        self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
         if isinstance(lora, dict):  # as stored in a checkpoint's hyperparameters
             lora = LoraSettings(**lora)
         self.lora: LoraSettings | None = LoraSettings() if lora is True else (lora or None)
@@ -369,6 +377,10 @@ class GRPOModule(L.LightningModule):
         else:
             kl_penalty = torch.zeros((), device=logprobs.device)
         objective = surrogate - kl_penalty
+        if self.guards_numerics and not torch.isfinite(objective):
+            self.nonfinite.skipped("loss", self.where())
+            self.log("train/nonfinite_steps", float(self.nonfinite.total), on_step=True, on_epoch=False)
+            return None  # Lightning then runs neither backward nor the optimizer step
         ratio_mean, ratio_max = importance_ratio_stats(logprobs, old_logprobs)
         self.ratio_mean.update(ratio_mean)
         self.ratio_max.update(ratio_max)
@@ -390,6 +402,8 @@ class GRPOModule(L.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_val = self.args.max_grad_norm if gradient_clip_val is None else gradient_clip_val
         if (gradient_clip_algorithm or "norm") != "norm":
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            self.skip_step_if_nonfinite(optimizer, torch.nn.utils.get_total_norm(grads))
             self.clip_gradients(optimizer, gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
             return
         # Clipped here rather than through Lightning's precision plugin, which refuses a fused AdamW (it
@@ -399,12 +413,39 @@ class GRPOModule(L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         total_norm = torch.nn.utils.clip_grad_norm_(params, clip_val)
         self.log("train/grad_norm", total_norm, on_step=True, on_epoch=False)
+        self.skip_step_if_nonfinite(optimizer, total_norm)
+
+    @property
+    def guards_numerics(self) -> bool:
+        # fp16's loss scaler skips steps with inf gradients itself, and lowers its scale: not a fault.
+        return not str(self.trainer.precision).startswith("16")
+
+    def where(self) -> str:
+        return f"phase {self.current_epoch + 1}, step {self.global_step + 1}"
+
+    def skip_step_if_nonfinite(self, optimizer, grad_norm: Tensor) -> None:
+        """A NaN or inf gradient is dropped before the optimizer sees it: AdamW leaves a parameter without a
+        gradient untouched (no update, no weight decay, no moment change), so nothing is applied."""
+        if not self.guards_numerics:
+            return
+        if torch.isfinite(grad_norm):
+            self.nonfinite.passed()
+        else:
+            optimizer.zero_grad(set_to_none=True)
+            self.nonfinite.skipped("gradient", self.where())
+        self.log("train/nonfinite_steps", float(self.nonfinite.total), on_step=True, on_epoch=False)
 
     def configure_optimizers(self):
         # fp16 with loss scaling needs Lightning to unscale gradients before clipping: no fused kernel there.
         fused = None if not str(self.trainer.precision).startswith("16") else False
         optimizer, scheduler = get_optimizer_and_scheduler(self.args, self.policy, fused=fused)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["nonfinite_steps"] = self.nonfinite.state_dict()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.nonfinite.load_state_dict(checkpoint.get("nonfinite_steps", {}))
 
     # ---- the end ---------------------------------------------------------------------------
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .interrupt import stop_point
+
 # ---------------------------------------------------------------------------------------------
 # Advantages
 # ---------------------------------------------------------------------------------------------
@@ -132,7 +134,11 @@ def generated_logprobs(model: torch.nn.Module, sample_ids: Tensor, gen_len: int)
 @torch.no_grad()
 def get_logprobs_batched(model: torch.nn.Module, sample_ids: Tensor, gen_len: int, chunk_size: int) -> Tensor:
     """Log-probabilities (B, T) of the generated tokens under ``model``, ``chunk_size`` sequences at a time."""
-    return torch.cat([generated_logprobs(model, chunk, gen_len) for chunk in sample_ids.split(chunk_size)])
+    chunks = []
+    for chunk in sample_ids.split(chunk_size):
+        stop_point()  # Ctrl-C / SIGTERM stops between chunks
+        chunks.append(generated_logprobs(model, chunk, gen_len))
+    return torch.cat(chunks)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from .fast_decode import make_decoder
+from .interrupt import stop_point
 from .packed_linear import packed_linear_weights
 
 # A start-of-document token marks "a new text begins here", the context the model saw at the start
@@ -73,6 +74,7 @@ def sample_completions_with_logprobs(
     with packed_linear_weights(model, rows=batch):  # the decode steps' shape: one token per row
         logits = decoder.step(prompt_ids).float()  # (B, V)
         for step in range(gen_len):
+            stop_point()  # Ctrl-C / SIGTERM abandons a rollout at the next token
             weights, log_normaliser, step_entropy = softmax_parts(logits)
             if temperature != 1.0:
                 weights = softmax_parts(logits / temperature)[0]

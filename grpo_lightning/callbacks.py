@@ -1,0 +1,29 @@
+"""Callbacks every CLI run gets (see ``grpo_lightning.cli.trainer_defaults``)."""
+
+from __future__ import annotations
+
+import lightning as L
+
+from .interrupt import stop_point
+
+
+class StopAtSafePoints(L.Callback):
+    """Checks for a requested stop between training steps and before each rollout, and, whatever ends a
+    run early, notes on the exception which checkpoint a resume would start from."""
+
+    def on_train_epoch_start(self, trainer, pl_module) -> None:
+        stop_point()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        stop_point()
+
+    def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        callback = trainer.checkpoint_callback
+        # This run's newest checkpoint; before it wrote one, the checkpoint it resumed from (if any).
+        last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "") or trainer.ckpt_path
+        try:
+            exception.grpo_last_checkpoint = last or None
+            exception.grpo_phase = trainer.current_epoch + 1
+            exception.grpo_total_phases = trainer.max_epochs
+        except AttributeError:  # an exception type that refuses attributes: nothing to say then
+            pass

@@ -1,0 +1,208 @@
+"""Checkpoints that survive a kill, a full disk and a typo.
+
+- ``AtomicCheckpointIO`` writes each checkpoint to a hidden temporary file beside it, flushes it to
+  disk and renames it into place: a kill or a full disk mid-write leaves the previous checkpoint
+  whole, and the file name only ever points at a complete checkpoint. Loading is always
+  ``weights_only=True`` (no pickle code runs), and a missing or damaged file is one line.
+- ``PhaseCheckpoint`` is Lightning's ModelCheckpoint with the ``last.ckpt`` link swapped atomically
+  and the previous phase's file deleted only after the link points at the new one (Lightning deletes
+  it first: a kill in between would leave ``last.ckpt`` dangling).
+- ``find_last_checkpoint`` resolves ``--ckpt_path last`` to the newest whole checkpoint of any
+  earlier run under the run directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import glob
+import os
+import pickle
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from .config import GRPOError
+
+TMP_MARK = ".tmp-"  # a temporary file is ".<name>.tmp-<pid>": hidden, and never matches "*.ckpt"
+
+
+class CheckpointError(GRPOError):
+    """A checkpoint could not be written, found or read."""
+
+
+def _fsync_directory(directory: Path) -> None:
+    # The rename is durable only once the directory entry is on disk too.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. a platform without directory handles: the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_atomically(path: Path, write) -> None:
+    """Calls ``write(file)`` on a temporary file beside ``path``, then renames it to ``path``.
+
+    On any failure the temporary file is removed and ``path`` (if it existed) is untouched."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}{TMP_MARK}{os.getpid()}")
+    try:
+        with open(tmp, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Deletes temporary files left by a process killed mid-write (never a finished checkpoint)."""
+    for leftover in directory.glob(f".*{TMP_MARK}*"):
+        leftover.unlink(missing_ok=True)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer and reader, made atomic on write and safe on read."""
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options=None) -> None:
+        path = Path(path)
+        try:
+            write_atomically(path, lambda file: torch.save(checkpoint, file))
+        except OSError as error:
+            reason = os.strerror(error.errno) if error.errno else str(error)
+            hint = " (free some space, or set trainer.default_root_dir elsewhere)" if error.errno == errno.ENOSPC else ""
+            raise CheckpointError(
+                f"could not write checkpoint {path}: {reason}{hint}; the checkpoints already in "
+                f"{path.parent} are intact"
+            ) from error
+        remove_stale_temporaries(path.parent)
+
+    def load_checkpoint(self, path, map_location=None, weights_only: bool | None = None) -> dict[str, Any]:
+        # weights_only is always on, whatever the caller asks: a checkpoint holds plain data only.
+        return load_checkpoint_file(path, map_location)
+
+
+def load_checkpoint_file(path, map_location=None, mmap: bool = False) -> dict[str, Any]:
+    """``torch.load(path, weights_only=True)`` with one-line errors for what users run into."""
+    path = Path(path)
+    if not path.exists():
+        dangling = " (a link to a file that is gone)" if path.is_symlink() else ""
+        raise CheckpointError(
+            f"no checkpoint at {path}{dangling}: pass an existing .ckpt file, or --ckpt_path last for the newest "
+            "checkpoint under the run directory"
+        )
+    if path.is_dir():
+        raise CheckpointError(f"ckpt_path {path} is a directory: pass a .ckpt file inside it, or --ckpt_path last")
+    try:
+        return torch.load(path, map_location=map_location or "cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(
+            f"checkpoint {path} holds Python objects that safe loading refuses ({_first_line(error)}); "
+            "only checkpoints written by grpo-lightning can be resumed"
+        ) from error
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError) as error:
+        raise CheckpointError(
+            f"checkpoint {path} is truncated or not a checkpoint ({_first_line(error)}); resume from an earlier "
+            "one in the same directory, or from --ckpt_path last"
+        ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0][:160] if text else type(error).__name__
+
+
+def link_atomically(target: Path, link: Path) -> None:
+    """Points ``link`` at ``target`` (relative symlink) in one rename: ``link`` is never missing."""
+    tmp = link.with_name(f".{link.name}{TMP_MARK}{os.getpid()}")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.symlink(os.path.relpath(target, link.parent), tmp)
+    except OSError:  # no symlinks (e.g. Windows without the privilege): a whole copy, renamed into place
+        write_atomically(link, lambda file: file.write(Path(target).read_bytes()))
+        return
+    os.replace(tmp, link)
+    _fsync_directory(link.parent)
+
+
+class PhaseCheckpoint(ModelCheckpoint):
+    """A checkpoint per phase, ``last.ckpt`` linking to the newest, safe against a kill at any moment."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._deferred_removals: list[str] | None = None
+
+    @staticmethod
+    def _link_checkpoint(trainer, filepath: str, linkpath: str) -> None:
+        if trainer.is_global_zero and os.path.abspath(filepath) != os.path.abspath(linkpath):
+            link_atomically(Path(filepath), Path(linkpath))
+        trainer.strategy.barrier()
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        write_phase_logs(trainer)
+        # Lightning deletes the previous phase's file before it moves the last.ckpt link: collect the
+        # deletions and run them once the link points at the new file.
+        self._deferred_removals = []
+        try:
+            super().on_train_epoch_end(trainer, pl_module)
+        finally:
+            removals, self._deferred_removals = self._deferred_removals, None
+        for filepath in removals:
+            super()._remove_checkpoint(trainer, filepath)
+
+    def _remove_checkpoint(self, trainer, filepath: str) -> None:
+        if self._deferred_removals is not None:
+            self._deferred_removals.append(filepath)
+        else:
+            super()._remove_checkpoint(trainer, filepath)
+
+
+def write_phase_logs(trainer) -> None:
+    """Writes the phase's logs to disk before its checkpoint, so that a kill right after the checkpoint
+    loses none of them (the resumed run starts with the next phase and will not log this one again).
+
+    Lightning logs epoch-level metrics only after the checkpoint callbacks have run; here they are
+    logged at the very step Lightning will use, and Lightning's own write then repeats the same
+    (tag, step, value) points, which TensorBoard draws as one."""
+    connector = trainer._logger_connector
+    metrics = connector.metrics["log"]  # this phase's epoch-level metrics: the epoch's batches are done
+    step = trainer.fit_loop.epoch_loop._batches_that_stepped - 1  # Lightning's step for them
+    for logger in trainer.loggers:
+        if metrics:
+            logger.log_metrics(metrics, step)
+        flush = getattr(getattr(logger, "experiment", None), "flush", None)  # TensorBoard's event writer
+        if callable(flush):
+            flush()
+
+
+def find_last_checkpoint(root_dir: str | os.PathLike) -> Path:
+    """The newest whole checkpoint of any run under ``root_dir`` (what ``--ckpt_path last`` means).
+
+    Each run's ``last.ckpt`` is considered, through its link; a dangling link, or a run without one,
+    falls back on that run's newest ``*.ckpt`` file. Newest means most recently written."""
+    root = Path(root_dir)
+    candidates: list[Path] = []
+    for checkpoint_dir in {Path(p).parent for p in glob.glob(str(root / "**" / "*.ckpt"), recursive=True)}:
+        last = checkpoint_dir / "last.ckpt"
+        if last.exists():  # follows the link: a dangling one does not count
+            candidates.append(last)
+        else:
+            files = [p for p in checkpoint_dir.glob("*.ckpt") if p.is_file()]
+            candidates.extend(files)
+    if not candidates:
+        raise CheckpointError(
+            f"--ckpt_path last: no checkpoint under {root}/ (a checkpoint is written at the end of each phase); "
+            "start without --ckpt_path, or pass a .ckpt file"
+        )
+    return max(candidates, key=lambda p: p.resolve().stat().st_mtime_ns)
