@@ -172,15 +172,25 @@ def write_phase_logs(trainer) -> None:
     """Writes the phase's logs to disk before its checkpoint, so that a kill right after the checkpoint
     loses none of them (the resumed run starts with the next phase and will not log this one again).
 
-    Lightning logs epoch-level metrics only after the checkpoint callbacks have run; here they are
-    logged at the very step Lightning will use, and Lightning's own write then repeats the same
-    (tag, step, value) points, which TensorBoard draws as one."""
-    connector = trainer._logger_connector
+    Lightning logs epoch-level metrics only after the checkpoint callbacks have run. They are logged
+    here instead, the way Lightning would (same step, same "epoch" entry), and Lightning's own call
+    that follows skips what was already written, so each point is written once."""
+    connector, loop = trainer._logger_connector, trainer.fit_loop.epoch_loop
     metrics = connector.metrics["log"]  # this phase's epoch-level metrics: the epoch's batches are done
-    step = trainer.fit_loop.epoch_loop._batches_that_stepped - 1  # Lightning's step for them
+    if metrics:
+        loop._batches_that_stepped -= 1  # the step Lightning logs epoch-level metrics at
+        try:
+            connector.log_metrics(metrics)
+        finally:
+            loop._batches_that_stepped += 1
+        written, log_metrics = set(metrics), connector.log_metrics
+
+        def log_the_rest(metrics, step=None):  # Lightning's next call: the epoch metrics again
+            del connector.log_metrics  # back to the class's method
+            log_metrics({k: v for k, v in metrics.items() if k not in written}, step)
+
+        connector.log_metrics = log_the_rest
     for logger in trainer.loggers:
-        if metrics:
-            logger.log_metrics(metrics, step)
         flush = getattr(getattr(logger, "experiment", None), "flush", None)  # TensorBoard's event writer
         if callable(flush):
             flush()
