@@ -20,12 +20,12 @@ from lightning.pytorch.utilities import rank_zero_only
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from .callbacks import StopAtSafePoints
-from .checkpointing import AtomicCheckpointIO, PhaseCheckpoint
-from .config import GRPOError
+from .checkpointing import AtomicCheckpointIO, CheckpointError, PhaseCheckpoint
+from .config import GRPOConfigError, GRPOError
 from .interrupt import STOP, StopRequested
 from .module import GRPOModule
 from .precision import choose_precision, precision_warning, resolve_accelerator
-from .resume import check_resume, read_checkpoint_settings, resolve_ckpt_path
+from .resume import ResumeError, check_resume, read_checkpoint_settings, resolve_ckpt_path
 
 
 class GRPOLightningCLI(LightningCLI):
@@ -45,8 +45,11 @@ class GRPOLightningCLI(LightningCLI):
         if not subcommand or not self.config[subcommand].get("ckpt_path"):
             return
         config = self.config[subcommand]
-        path = resolve_ckpt_path(config.ckpt_path, config.trainer.default_root_dir or ".")
-        saved, done = read_checkpoint_settings(path)
+        try:
+            path = resolve_ckpt_path(config.ckpt_path, config.trainer.default_root_dir or ".")
+            saved, done = read_checkpoint_settings(path)
+        except CheckpointError as error:  # the path the user typed: a usage error
+            raise ResumeError(str(error)) from error
         model_parser = self._subcommand_parsers[subcommand]
         model_parser.set_defaults({f"model.{name}": value for name, value in saved.items()})
         self.parse_arguments(self.parser, self._args)
@@ -138,7 +141,8 @@ def main(args=None) -> int | None:
         last = getattr(own, "grpo_last_checkpoint", None)  # the run had started: say what is kept
         kept = f"; the last checkpoint, intact, is {last} (resume with --ckpt_path {last})" if last else ""
         print(f"error: {_one_line(own or error)}{kept}", file=sys.stderr)
-        sys.exit(1 if own is not None else 2)
+        usage = own is None or isinstance(own, GRPOConfigError)  # settings and inputs: 2; failures at run time: 1
+        sys.exit(2 if usage else 1)
     finally:
         STOP.restore()
 

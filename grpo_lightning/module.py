@@ -65,6 +65,8 @@ warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` i
 warnings.filterwarnings("ignore", message=r"Precision bf16-mixed is not supported by the model summary")
 # - a reward model is stored in hparams as plain data (its class_path/init_args), not as a module.
 warnings.filterwarnings("ignore", message=r"Attribute 'reward' is an instance of `nn.Module`")
+# - a step with a NaN or inf loss is skipped by returning None from training_step (counted and logged).
+warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
 
 
 def phase_seed(seed: int, phase: int, rank: int) -> int:
@@ -265,6 +267,19 @@ class GRPOModule(L.LightningModule):
                 if message:
                     warnings.warn(message, stacklevel=1)
 
+    def on_train_start(self) -> None:
+        """On resume, the checkpoint restored the optimizer's learning rates as they were: lay the schedule out
+        again from the settings of this run, so that a changed lr or total_phases is honoured. Unchanged
+        settings give back the very same numbers (the formula LambdaLR itself uses)."""
+        if self.trainer.ckpt_path is None:
+            return
+        for config in self.trainer.lr_scheduler_configs:
+            scheduler = config.scheduler
+            scheduler.base_lrs = [self.args.lr] * len(scheduler.base_lrs)
+            for group, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
+                group["initial_lr"] = self.args.lr
+                group["lr"] = self.args.lr * lr_lambda(scheduler.last_epoch)
+
     def on_train_epoch_start(self) -> None:
         # eval() switches off dropout only (gradients still flow): rollout, learning and reference
         # log-probabilities must all come from the same deterministic function.
@@ -401,6 +416,8 @@ class GRPOModule(L.LightningModule):
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_val = self.args.max_grad_norm if gradient_clip_val is None else gradient_clip_val
+        if all(p.grad is None for group in optimizer.param_groups for p in group["params"]):
+            return  # training_step returned None (a skipped step): no backward ran, nothing to clip or count
         if (gradient_clip_algorithm or "norm") != "norm":
             grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             self.skip_step_if_nonfinite(optimizer, torch.nn.utils.get_total_norm(grads))

@@ -82,11 +82,17 @@ def _model_id(name: Any) -> str:
     return os.path.realpath(path) if os.path.isdir(path) else str(name)
 
 
+def _reward_name(reward: Any) -> str:
+    if reward is None:
+        return "rewards.CharCount (the default)"
+    return str(reward.get("class_path") if isinstance(reward, dict) else reward)
+
+
 FIXED_ON_RESUME = {
-    # setting: (how to compare, how to show)
-    "model_name_or_path": _model_id,
-    "lora": _lora_shape,
-    "reward": _reward_kind,
+    # setting: (what must stay equal, how to show it)
+    "model_name_or_path": (_model_id, _model_id),
+    "lora": (_lora_shape, _lora_shape),
+    "reward": (_reward_kind, _reward_name),
 }
 
 
@@ -94,9 +100,9 @@ def resume_conflicts(saved: dict[str, Any], asked: dict[str, Any]) -> list[str]:
     """A description of each setting that cannot change on resume and was asked to."""
     saved, asked = _plain(saved), _plain(asked)
     conflicts = []
-    for name, key in FIXED_ON_RESUME.items():
+    for name, (key, shown) in FIXED_ON_RESUME.items():
         if name in saved and key(saved.get(name)) != key(asked.get(name)):
-            conflicts.append(f"{name} is {key(saved.get(name))} in the checkpoint, not {key(asked.get(name))}")
+            conflicts.append(f"{name} is {shown(saved.get(name))} in the checkpoint, not {shown(asked.get(name))}")
     return conflicts
 
 

@@ -1,0 +1,123 @@
+"""Checkpoint files: atomic writes, a full disk, the last.ckpt link, ``--ckpt_path last`` and safe loading."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from grpo_lightning import checkpointing
+from grpo_lightning.checkpointing import (
+    AtomicCheckpointIO,
+    CheckpointError,
+    find_last_checkpoint,
+    link_atomically,
+    load_checkpoint_file,
+)
+
+
+def test_a_write_replaces_the_file_whole_and_leaves_no_temporary(tmp_path):
+    path = tmp_path / "epoch=0-step=4.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 4, "w": torch.arange(3.0)}, path)
+    io.save_checkpoint({"global_step": 8, "w": torch.arange(4.0)}, path)
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+    loaded = io.load_checkpoint(path)
+    assert loaded["global_step"] == 8 and torch.equal(loaded["w"], torch.arange(4.0))
+
+
+def test_a_full_disk_leaves_the_previous_file_intact_and_says_so_in_one_line(tmp_path, monkeypatch):
+    path = tmp_path / "last.ckpt"
+    io = AtomicCheckpointIO()
+    io.save_checkpoint({"global_step": 4}, path)
+    before = path.read_bytes()
+
+    def disk_full(obj, file):
+        file.write(b"partial")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpointing.torch, "save", disk_full)
+    with pytest.raises(CheckpointError) as error:
+        io.save_checkpoint({"global_step": 8}, path)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"could not write checkpoint {path}: No space left on device (free some space")
+    assert message.endswith(f"the checkpoints already in {tmp_path} are intact")
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the partial temporary is gone
+
+
+def test_leftovers_of_a_killed_write_are_removed_by_the_next_write(tmp_path):
+    leftover = tmp_path / ".epoch=1-step=8.ckpt.tmp-12345"
+    leftover.write_bytes(b"half a checkpoint")
+    AtomicCheckpointIO().save_checkpoint({"global_step": 8}, tmp_path / "epoch=1-step=8.ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=1-step=8.ckpt"]
+
+
+def test_the_link_moves_in_one_step(tmp_path):
+    for name in ("epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"):
+        (tmp_path / name).write_bytes(name.encode())
+    link = tmp_path / "last.ckpt"
+    link_atomically(tmp_path / "epoch=0-step=4.ckpt", link)
+    assert os.readlink(link) == "epoch=0-step=4.ckpt"  # relative: the run directory can be moved
+    link_atomically(tmp_path / "epoch=1-step=8.ckpt", link)
+    assert os.readlink(link) == "epoch=1-step=8.ckpt" and link.read_bytes() == b"epoch=1-step=8.ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+
+
+def _checkpoint(path: Path, step: int, age_s: float) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"global_step": step}, path)
+    stamp = time.time() - age_s
+    os.utime(path, (stamp, stamp))
+    return path
+
+
+def test_last_is_the_newest_whole_checkpoint_of_any_run(tmp_path):
+    runs = tmp_path / "lightning_logs"
+    old = _checkpoint(runs / "version_0" / "checkpoints" / "epoch=4-step=20.ckpt", 20, age_s=100)
+    os.symlink(old.name, old.parent / "last.ckpt")
+    newer = _checkpoint(runs / "version_1" / "checkpoints" / "epoch=6-step=28.ckpt", 28, age_s=10)
+    os.symlink(newer.name, newer.parent / "last.ckpt")
+    assert find_last_checkpoint(tmp_path) == newer.parent / "last.ckpt"
+
+    # A run killed before moving its link: a dangling last.ckpt does not count, its newest file does.
+    newest = _checkpoint(runs / "version_2" / "checkpoints" / "epoch=7-step=32.ckpt", 32, age_s=1)
+    os.symlink("epoch=6-step=28.ckpt", newest.parent / "last.ckpt")  # dangling in version_2
+    assert find_last_checkpoint(tmp_path) == newest
+
+
+def test_last_without_any_checkpoint_is_one_line(tmp_path):
+    (tmp_path / "lightning_logs" / "version_0").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"^--ckpt_path last: no checkpoint under .*; start without --ckpt_path"):
+        find_last_checkpoint(tmp_path)
+
+
+def test_loading_refuses_what_is_not_a_whole_plain_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match=r"^no checkpoint at .*nope\.ckpt: pass an existing \.ckpt file"):
+        load_checkpoint_file(tmp_path / "nope.ckpt")
+    with pytest.raises(CheckpointError, match=r"is a directory"):
+        load_checkpoint_file(tmp_path)
+
+    whole = tmp_path / "whole.ckpt"
+    torch.save({"state_dict": {"w": torch.randn(64, 64)}}, whole)
+    truncated = tmp_path / "truncated.ckpt"
+    truncated.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    with pytest.raises(CheckpointError, match=r"truncated\.ckpt is truncated or not a checkpoint"):
+        load_checkpoint_file(truncated)
+
+    pickled = tmp_path / "pickled.ckpt"
+    torch.save({"callback": Path("/x")}, pickled)  # an arbitrary Python object: weights_only refuses it
+    with pytest.raises(CheckpointError, match=r"holds Python objects that safe loading refuses"):
+        load_checkpoint_file(pickled)
+
+
+def test_the_reader_is_weights_only_whatever_lightning_asks(tmp_path):
+    pickled = tmp_path / "pickled.ckpt"
+    torch.save({"callback": Path("/x")}, pickled)
+    with pytest.raises(CheckpointError):
+        AtomicCheckpointIO().load_checkpoint(pickled, weights_only=False)
