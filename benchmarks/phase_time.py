@@ -304,7 +304,7 @@ def measure(workload: str, precision: str, phases: int, model: str | None, finet
         trainer.fit(module)
         peak_rss = peak_rss_mib()  # read before the checkpoint and the peak GEMMs allocate their own buffers
         checkpoint_path = os.path.join(root, "phase.ckpt")
-        trainer.save_checkpoint(checkpoint_path)  # what ModelCheckpoint writes every phase
+        trainer.save_checkpoint(checkpoint_path, weights_only=False)  # the full checkpoint ModelCheckpoint writes every phase
         checkpoint_size = os.path.getsize(checkpoint_path) / 2**20
 
     per_phase = recorder.phases[WARMUP_PHASES:]

@@ -206,6 +206,13 @@ class GRPOModule(L.LightningModule):
         self.register_state_dict_post_hook(drop_frozen_keys)
         self.register_load_state_dict_post_hook(forgive_missing_frozen_keys)
 
+    @classmethod
+    def load_from_checkpoint(cls, checkpoint_path, map_location=None, hparams_file=None, strict=None,
+                             weights_only: bool = True, **kwargs):  # fmt: skip
+        """Lightning's, loading with ``weights_only=True`` unless asked otherwise: a checkpoint of this module
+        holds plain data only, so no code in a checkpoint file ever runs."""
+        return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs)
+
     # ---- models ----------------------------------------------------------------------------
 
     @property

@@ -121,3 +121,14 @@ def test_the_reader_is_weights_only_whatever_lightning_asks(tmp_path):
     torch.save({"callback": Path("/x")}, pickled)
     with pytest.raises(CheckpointError):
         AtomicCheckpointIO().load_checkpoint(pickled, weights_only=False)
+
+
+def test_load_from_checkpoint_is_weights_only_by_default(tmp_path):
+    import pickle
+
+    from grpo_lightning.module import GRPOModule
+
+    path = tmp_path / "foreign.ckpt"
+    torch.save({"hyper_parameters": {}, "state_dict": {}, "callback": Path("/x")}, path)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        GRPOModule.load_from_checkpoint(path)
