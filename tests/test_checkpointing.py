@@ -132,3 +132,39 @@ def test_load_from_checkpoint_is_weights_only_by_default(tmp_path):
     torch.save({"hyper_parameters": {}, "state_dict": {}, "callback": Path("/x")}, path)
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         GRPOModule.load_from_checkpoint(path)
+
+
+def test_a_full_disk_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import sys
+
+    from grpo_lightning import cli
+
+    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
+    saves = 0
+    real_save = torch.save
+
+    def full_from_the_second_phase(obj, file, *args, **kwargs):
+        nonlocal saves
+        saves += 1
+        if saves >= 2:
+            file.write(b"the start of a checkpoint")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, file, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.torch, "save", full_from_the_second_phase)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([
+            "fit", "--model.model_name_or_path", tiny_model_dir, "--model.total_phases", "3", "--model.warmup_steps", "0",
+            "--model.batch_size", "4", "--model.num_minibatches", "2", "--model.gen_len", "4",
+            "--model.export_dir", "null", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.enable_progress_bar", "false",
+        ])  # fmt: skip
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    assert exit_info.value.code == 1 and errors == [err.splitlines()[-1]] and "Traceback" not in err
+    assert errors[0].startswith(f"error: could not write checkpoint {checkpoints / 'epoch=1-step=8.ckpt'}: No space left on device")
+    assert errors[0].endswith(f"the last checkpoint, intact, is {checkpoints / 'last.ckpt'} (resume with --ckpt_path {checkpoints / 'last.ckpt'})")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no partial file
+    monkeypatch.undo()
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 4
