@@ -51,7 +51,11 @@ class GRPOLightningCLI(LightningCLI):
         except CheckpointError as error:  # the path the user typed: a usage error
             raise ResumeError(str(error)) from error
         model_parser = self._subcommand_parsers[subcommand]
-        model_parser.set_defaults({f"model.{name}": value for name, value in saved.items()})
+        for name, value in saved.items():
+            try:
+                model_parser.set_defaults({f"model.{name}": value})
+            except KeyError:  # a setting this version no longer has: the checkpoint's value has nowhere to go
+                _say(f"warning: {path} has a setting model.{name} that this version does not know; ignored")
         self.parse_arguments(self.parser, self._args)
         config = self.config[subcommand]
         config.ckpt_path = path

@@ -138,3 +138,16 @@ def test_phases_done_counts_processed_epochs():
     progress = {"loops": {"fit_loop": {"epoch_progress": {"current": {"ready": 3, "started": 3, "processed": 3, "completed": 2}}}}}
     assert phases_done(progress) == 3
     assert phases_done({"epoch": 4}) == 5  # no loop state: saved at the end of epoch 4
+
+
+def test_a_setting_this_version_does_not_know_is_said_and_ignored(finished_run, capsys):
+    path = finished_run / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(path, weights_only=True)
+    checkpoint["hyper_parameters"]["retired_setting"] = 7
+    older = finished_run / "older.ckpt"
+    torch.save(checkpoint, older)
+    cli.main(["fit", "--ckpt_path", str(older), "--model.total_phases", "3", "--trainer.default_root_dir",
+              str(finished_run), "--trainer.enable_progress_bar", "false"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert f"warning: {older} has a setting model.retired_setting that this version does not know; ignored" in out
+    assert "Phase 003/003" in out
