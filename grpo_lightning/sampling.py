@@ -1,8 +1,10 @@
-"""Exact sampling of fixed-length completions.
+"""Exact sampling of completions.
 
 The policy gradient assumes the tokens come from exactly the distribution whose log-probabilities
-we train on, so there is no top-k / top-p truncation, and every completion has exactly ``gen_len``
-tokens (no early stop at end-of-text), which keeps the batch rectangular and unpadded.
+we train on, so there is no top-k / top-p truncation. By default every completion has exactly
+``gen_len`` tokens (no early stop at end-of-text), the chapter's setting. With stop tokens, a
+completion ends at the first one it samples (which it keeps: ending is a choice the policy learns);
+the positions after it are padding, marked 0 in a completion mask, so the batch stays rectangular.
 """
 
 from __future__ import annotations
@@ -19,6 +21,18 @@ from .packed_linear import packed_linear_weights
 # A start-of-document token marks "a new text begins here", the context the model saw at the start
 # of its pretraining documents. Tokenizers name it differently; the first one found is used.
 _START_OF_DOCUMENT_CANDIDATES = ("<|endoftext|>", "<s>", "<|begin_of_text|>", "<bos>")
+# Tokens that end an answer: end-of-turn tokens of chat models (SmolLM2 and Qwen's <|im_end|>, Llama 3's
+# <|eot_id|>, Phi's <|end|>, Gemma's <end_of_turn>) and end-of-document ones, besides eos_token.
+_END_TOKEN_CANDIDATES = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    """The ids that end a completion for this tokenizer: its ``eos_token`` first, then every known
+    end-of-turn or end-of-document token in its vocabulary."""
+    vocab = tokenizer.get_vocab()
+    ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    ids += [vocab[token] for token in _END_TOKEN_CANDIDATES if token in vocab]
+    return list(dict.fromkeys(ids))  # unique, in order
 
 
 def default_start_token(tokenizer) -> str:
@@ -49,14 +63,19 @@ def encode_prompt(tokenizer, prompt: str, start_token: str | None = None) -> Ten
 class SampledCompletions:
     """What sampling produced, per generated token: B sequences, T = gen_len."""
 
-    sample_ids: Tensor  # (B, P + T) prompt + completion ids
-    logprobs: Tensor  # (B, T) float32 log pi(token), at temperature 1, as sampling computed it
-    entropy: Tensor  # (B, T) float32 entropy (nats) of pi at each generated position, at temperature 1
+    sample_ids: Tensor  # (B, P + T) prompt + completion ids (padding after a stop token)
+    logprobs: Tensor  # (B, T) float32 log pi(token), at temperature 1, as sampling computed it (0 on padding)
+    entropy: Tensor  # (B, T) float32 entropy (nats) of pi at each generated position, at temperature 1 (0 on padding)
+    completion_mask: Tensor | None = None  # (B, T) bool: True for generated tokens; None: all are (no stop tokens)
 
 
 @torch.no_grad()
 def sample_completions_with_logprobs(
-    model: torch.nn.Module, prompt_ids: Tensor, gen_len: int, temperature: float = 1.0
+    model: torch.nn.Module,
+    prompt_ids: Tensor,
+    gen_len: int,
+    temperature: float = 1.0,
+    stop_tokens: list[int] | None = None,
 ) -> SampledCompletions:
     """Samples ``gen_len`` tokens after each row of ``prompt_ids`` (B, P), keeping log pi of each token.
 
@@ -67,10 +86,17 @@ def sample_completions_with_logprobs(
     The log-probabilities and entropies are those of the policy itself (temperature 1), in float32,
     from the very logits the tokens were drawn from: they are log pi_old of the rollout, so the
     learning phase needs no second forward pass to recompute them.
+
+    ``stop_tokens``: ids that end a completion (see ``stop_token_ids``); the first one sampled is kept,
+    and the rest of the row is padding (the first stop token again), with log-probability and entropy 0
+    and ``completion_mask`` False. Sampling ends early once every row has ended. None: ``gen_len``
+    tokens each, and no mask. Rows draw their random numbers the same way either way.
     """
     batch, prompt_len = prompt_ids.shape
     decoder = make_decoder(model, batch, prompt_len + gen_len)
-    new_ids, logprobs, entropy = [], [], []
+    new_ids, logprobs, entropy, alive = [], [], [], []
+    stops = None if not stop_tokens else torch.tensor(stop_tokens, device=prompt_ids.device)
+    running = torch.ones(batch, 1, dtype=torch.bool, device=prompt_ids.device)  # not yet ended
     with packed_linear_weights(model, rows=batch):  # the decode steps' shape: one token per row
         logits = decoder.step(prompt_ids).float()  # (B, V)
         for step in range(gen_len):
@@ -79,15 +105,30 @@ def sample_completions_with_logprobs(
             if temperature != 1.0:
                 weights = softmax_parts(logits / temperature)[0]
             next_ids = sample_categorical(weights)  # (B, 1)
+            token_logprob, step_entropy = logits.gather(-1, next_ids) - log_normaliser, step_entropy.unsqueeze(-1)
+            if stops is not None:
+                next_ids = torch.where(running, next_ids, stops[0])
+                token_logprob, step_entropy = token_logprob * running, step_entropy * running
+                alive.append(running)
+                running = running & ~torch.isin(next_ids, stops)
             new_ids.append(next_ids)
-            logprobs.append(logits.gather(-1, next_ids) - log_normaliser)
-            entropy.append(step_entropy.unsqueeze(-1))
+            logprobs.append(token_logprob)
+            entropy.append(step_entropy)
+            if stops is not None and not running.any():
+                break
             if step + 1 < gen_len:
                 logits = decoder.step(next_ids).float()
+    padding = gen_len - len(new_ids)  # steps not taken: every row had ended
+    if padding:
+        new_ids.append(stops[0].expand(batch, padding))
+        for values in (logprobs, entropy):
+            values.append(torch.zeros(batch, padding, device=prompt_ids.device))
+        alive.append(torch.zeros(batch, padding, dtype=torch.bool, device=prompt_ids.device))
     return SampledCompletions(
         sample_ids=torch.cat([prompt_ids, *new_ids], dim=1),
         logprobs=torch.cat(logprobs, dim=1),
         entropy=torch.cat(entropy, dim=1),
+        completion_mask=torch.cat(alive, dim=1) if stops is not None else None,
     )
 
 
@@ -156,17 +197,24 @@ def sample_group(
     gen_len: int,
     temperature: float = 1.0,
     start_token: str | None = None,
+    stop_tokens: list[int] | None = None,
 ) -> tuple[SampledCompletions, list[str]]:
-    """Samples ``batch_size`` completions of ``gen_len`` tokens of one prompt (one GRPO group).
+    """Samples ``batch_size`` completions of ``gen_len`` tokens of one prompt (one GRPO group), or fewer
+    where a completion samples one of ``stop_tokens``.
 
     Returns the ``SampledCompletions`` (ids, whose last ``gen_len`` columns are the completions, and
     per-token log-probabilities and entropies) and ``samples``: prompt + decoded completion (special
-    tokens skipped), the strings rewards score.
+    tokens and padding skipped), the strings rewards score.
     """
     device = next(model.parameters()).device
     prompt_ids = encode_prompt(tokenizer, prompt, start_token).to(device).repeat(batch_size, 1)
-    sampled = sample_completions_with_logprobs(model, prompt_ids, gen_len, temperature)
-    completions = tokenizer.batch_decode(sampled.sample_ids[:, -gen_len:], skip_special_tokens=True)
+    sampled = sample_completions_with_logprobs(model, prompt_ids, gen_len, temperature, stop_tokens)
+    completion_ids = sampled.sample_ids[:, -gen_len:]
+    if sampled.completion_mask is None:
+        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
+    else:
+        rows = [ids[mask].tolist() for ids, mask in zip(completion_ids, sampled.completion_mask)]
+        completions = tokenizer.batch_decode(rows, skip_special_tokens=True)
     return sampled, [prompt + completion for completion in completions]
 
 
