@@ -82,6 +82,14 @@ def check_kl_estimator(estimator: str) -> None:
         raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {', '.join(map(repr, KL_ESTIMATORS))}")
 
 
+def kl_loss_terms(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k2") -> Tensor:
+    """The per-token KL estimates (b, T) of the loss term, before they are summed (k2 or k3)."""
+    check_kl_estimator(estimator)
+    if estimator not in _LOSS_ESTIMATORS:
+        raise ValueError(f"{estimator!r} puts the KL in the rewards: it has no loss terms")
+    return _LOSS_ESTIMATORS[estimator](logprobs, ref_logprobs)
+
+
 def kl_loss_penalty(logprobs: Tensor, ref_logprobs: Tensor, kl_coef: float, estimator: str = "k2") -> Tensor:
     """The KL term of the loss: ``kl_coef * mean`` over all (b, T) sampled tokens of k2 or k3.
 

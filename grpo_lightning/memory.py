@@ -18,6 +18,7 @@ class ReplayMinibatch:
     logprobs: Tensor  # (b, T) log pi_old of the generated tokens (rollout time)
     ref_logprobs: Tensor  # (b, T) log pi_ref of the generated tokens
     advantages: Tensor  # (b,) one per sequence
+    completion_mask: Tensor | None = None  # (b, T) bool, True for generated tokens; None: all are
 
 
 class ReplayMemory:
@@ -27,10 +28,15 @@ class ReplayMemory:
     (a ``GRPO_Args`` has them).
     """
 
-    def __init__(self, args, sample_ids: Tensor, logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor):
+    def __init__(
+        self, args, sample_ids: Tensor, logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor,
+        completion_mask: Tensor | None = None,
+    ):  # fmt: skip
         assert sample_ids.shape[0] == args.batch_size
         assert logprobs.shape == ref_logprobs.shape == (args.batch_size, args.gen_len)
         assert advantages.shape == (args.batch_size,)
+        assert completion_mask is None or completion_mask.shape == logprobs.shape
+        self.completion_mask = completion_mask
         self.args = args
         self.sample_ids = sample_ids
         self.logprobs = logprobs
@@ -55,6 +61,7 @@ class ReplayMemory:
                         logprobs=self.logprobs[indices],
                         ref_logprobs=self.ref_logprobs[indices],
                         advantages=self.advantages[indices],
+                        completion_mask=None if self.completion_mask is None else self.completion_mask[indices],
                     )
                 )
         return minibatches

@@ -29,7 +29,9 @@ from rewards.base import describe_reward, prepare_reward
 
 from .activation_checkpointing import enable_activation_checkpointing, flag_checkpointed_layers
 from .config import GRPO_Args, GRPOConfigError
-from .kl import KL_ESTIMATORS, kl_in_reward, kl_loss_penalty
+from .kl import KL_ESTIMATORS, kl_in_reward, kl_loss_penalty, kl_loss_terms
+from .losses import group_advantages, kl_objective, surrogate_objective
+from .losses import loss_variant as loss_variant_named
 from .lora import LoraSettings, apply_lora
 from .machine import competing_processes, cpu_contention_warning, fit_threads_to_cpus
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
@@ -48,7 +50,7 @@ from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scal
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .reward_checks import score_samples
 from .rollout_stats import importance_ratio_stats
-from .sampling import encode_prompt, sample_group
+from .sampling import encode_prompt, sample_group, stop_token_ids
 
 
 # Up to this many tokens per sequence, plain ("eager") attention beats the fused kernel on CPU (a
@@ -96,6 +98,9 @@ class GRPOModule(L.LightningModule):
         clip_coef: float = 0.2,
         kl_coef: float = 0.3,
         kl_estimator: str = "k2",
+        stop_at_eos: bool = False,
+        loss_variant: str = "grpo",
+        clip_coef_high: float | None = None,
         seed: int = 1,
         samples_shown: int = 8,
         export_dir: str | None = "hf_model",
@@ -133,6 +138,14 @@ class GRPOModule(L.LightningModule):
                 the reverse KL(pi || pi_ref); "k3" in the loss (its gradient follows the forward KL, for
                 comparison); "k1_reward": ``kl_coef * sum_t log(pi/pi_ref)`` subtracted from each reward
                 before advantages are computed. See ``grpo_lightning.kl``.
+            stop_at_eos: false (default, the chapter's) samples exactly gen_len tokens per completion;
+                true ends a completion at its first end token (eos, or a chat model's end of turn such
+                as ``<|im_end|>``), at most gen_len tokens; the padding after it never counts (a
+                completion mask is carried through log-probabilities, KL, surrogate and statistics).
+            loss_variant: how advantages are scaled and per-token terms summed: "grpo" (the chapter's),
+                "dapo", "dr_grpo" or "gspo"; see ``grpo_lightning.losses`` and the README's table.
+            clip_coef_high: the clipped surrogate's upper epsilon (DAPO's "clip higher", e.g. 0.28);
+                null: clip_coef.
             seed: seed of sampling and minibatch shuffling (per phase, so resumed runs match).
             samples_shown: samples printed and logged per phase, the best and worst of the group included.
             export_dir: where, inside the run's log directory, the trained policy and tokenizer are
@@ -155,6 +168,9 @@ class GRPOModule(L.LightningModule):
         """
         super().__init__()
         check_model_name(model_name_or_path)
+        self.variant = loss_variant_named(loss_variant)
+        if clip_coef_high is not None and clip_coef_high <= 0:
+            raise GRPOConfigError(f"clip_coef_high ({clip_coef_high}) must be > 0 (or null for clip_coef)")
         if kl_estimator not in KL_ESTIMATORS:
             raise GRPOConfigError(f"kl_estimator ({kl_estimator!r}) must be one of {', '.join(map(repr, KL_ESTIMATORS))}")
         if samples_shown < 0:
@@ -175,6 +191,9 @@ class GRPOModule(L.LightningModule):
         self.reward = reward
         self.start_token = start_token
         self.kl_estimator = kl_estimator
+        self.stop_at_eos = stop_at_eos
+        self.clip_coef_high = clip_coef_high
+        self.stop_tokens: list[int] | None = None  # the ids that end a completion, with stop_at_eos
         self.samples_shown = samples_shown
         self.export_dir = export_dir
         self.recompute_old_logprobs = recompute_old_logprobs
@@ -225,6 +244,8 @@ class GRPOModule(L.LightningModule):
             return
         prepare_reward(self.reward)  # load a reward model now: a missing classifier fails before training
         self.tokenizer = load_tokenizer(self.args.base_model)
+        if self.stop_at_eos:
+            self.stop_tokens = stop_token_ids(self.tokenizer)
         attention = self.attention_kernel()
         self.policy = load_causal_lm(self.args.base_model, attention)
         if self.lora is not None:
@@ -318,9 +339,10 @@ class GRPOModule(L.LightningModule):
         args, timer = self.args, self.timer
         with timer.measure("generate"):
             sampled, samples = sample_group(
-                self.policy, self.tokenizer, args.prompt, args.batch_size, args.gen_len, args.temperature, self.start_token
-            )
-        sample_ids = sampled.sample_ids
+                self.policy, self.tokenizer, args.prompt, args.batch_size, args.gen_len, args.temperature,
+                self.start_token, self.stop_tokens,
+            )  # fmt: skip
+        sample_ids, mask = sampled.sample_ids, sampled.completion_mask
         with timer.measure("score"):
             rewards = score_samples(self.reward, samples)
         logprobs = sampled.logprobs
@@ -329,10 +351,16 @@ class GRPOModule(L.LightningModule):
                 logprobs = get_logprobs_batched(self.policy, sample_ids, args.gen_len, args.minibatch_size)
         with timer.measure("ref_logprobs"):
             ref_logprobs = self.get_ref_logprobs(sample_ids)
+        if mask is not None:  # padding after an answer ended: 0, so that sums over tokens skip it
+            logprobs = logprobs * mask
+            ref_logprobs = None if ref_logprobs is None else ref_logprobs * mask
         scored_rewards = rewards.to(self.device)
         if self.kl_estimator == "k1_reward" and ref_logprobs is not None:
             scored_rewards = kl_in_reward(scored_rewards, logprobs, ref_logprobs, args.kl_coef)
-        advantages = compute_grpo_advantages(scored_rewards)
+        if self.variant.scale_by_std:
+            advantages = compute_grpo_advantages(scored_rewards)
+        else:  # Dr. GRPO: centred only
+            advantages = group_advantages(scored_rewards, group_size=args.batch_size, scale_by_std=False)
         completion_ids = sample_ids[:, -args.gen_len :]
         record = RolloutRecord(
             samples=samples,
@@ -343,11 +371,12 @@ class GRPOModule(L.LightningModule):
             entropy=sampled.entropy,
             logprobs=logprobs,
             ref_logprobs=ref_logprobs,
+            completion_mask=mask,
         )
         self.log_rollout(record)
         if ref_logprobs is None:  # kl_coef=0: the KL term is skipped, these zeros are never read
             ref_logprobs = torch.zeros_like(logprobs)
-        return ReplayMemory(args, sample_ids, logprobs, ref_logprobs, advantages)
+        return ReplayMemory(args, sample_ids, logprobs, ref_logprobs, advantages, completion_mask=mask)
 
     def log_rollout(self, record: RolloutRecord) -> None:
         scalars = rollout_scalars(record, group_size=self.args.batch_size)  # one prompt: one group
@@ -375,7 +404,8 @@ class GRPOModule(L.LightningModule):
         self.timer.seconds["learn"] = self.timer.seconds.get("learn", 0.0) + time.perf_counter() - self._step_start
 
     def on_train_epoch_end(self) -> None:
-        generated_tokens = self.args.batch_size * self.args.gen_len
+        mask = self.memory.completion_mask
+        generated_tokens = self.args.batch_size * self.args.gen_len if mask is None else int(mask.sum())
         self.log_dict(perf_scalars(self.timer, generated_tokens), on_step=False, on_epoch=True, batch_size=1)
 
     # ---- learning phase --------------------------------------------------------------------
@@ -393,16 +423,15 @@ class GRPOModule(L.LightningModule):
         # On-policy (one minibatch, one pass): log pi_old is this very forward pass, detached; the
         # ratio is exactly 1 and the gradient is the plain policy gradient, with no rounding noise.
         old_logprobs = logprobs.detach() if self.on_policy else minibatch.logprobs
-        surrogate = calc_clipped_surrogate_objective(logprobs, old_logprobs, minibatch.advantages, args.clip_coef)
-        if self.uses_reference:
-            kl_penalty = kl_loss_penalty(logprobs, minibatch.ref_logprobs, args.kl_coef, self.kl_estimator)
-        else:
-            kl_penalty = torch.zeros((), device=logprobs.device)
+        surrogate, kl_penalty = self.surrogate_and_kl_penalty(logprobs, old_logprobs, minibatch)
         objective = surrogate - kl_penalty
         if self.guards_numerics and not torch.isfinite(objective):
             self.nonfinite.skipped("loss", self.where())
             self.log("train/nonfinite_steps", float(self.nonfinite.total), on_step=True, on_epoch=False)
             return None  # Lightning then runs neither backward nor the optimizer step
+        mask = minibatch.completion_mask
+        if mask is not None:  # statistics over generated tokens only
+            logprobs, old_logprobs = logprobs[mask], old_logprobs[mask]
         ratio_mean, ratio_max = importance_ratio_stats(logprobs, old_logprobs)
         self.ratio_mean.update(ratio_mean)
         self.ratio_max.update(ratio_max)
@@ -420,6 +449,26 @@ class GRPOModule(L.LightningModule):
         self.log("train/ratio_max_phase", self.ratio_max, on_step=False, on_epoch=True)
         # Returned as is, not negated: the optimizer is AdamW(maximize=True), as in the reference.
         return objective
+
+    def surrogate_and_kl_penalty(self, logprobs: Tensor, old_logprobs: Tensor, minibatch: ReplayMinibatch):
+        """The clipped surrogate and the KL penalty of a minibatch, both scalars (objective = surrogate - penalty).
+
+        Fixed-length completions with the "grpo" variant: the chapter's formulas as they are. Otherwise
+        the variant's, over the completion mask (see ``grpo_lightning.losses``)."""
+        args, mask = self.args, minibatch.completion_mask
+        no_penalty = torch.zeros((), device=logprobs.device)
+        if mask is None and self.variant.name == "grpo" and self.clip_coef_high is None:
+            surrogate = calc_clipped_surrogate_objective(logprobs, old_logprobs, minibatch.advantages, args.clip_coef)
+            if not self.uses_reference:
+                return surrogate, no_penalty
+            return surrogate, kl_loss_penalty(logprobs, minibatch.ref_logprobs, args.kl_coef, self.kl_estimator)
+        mask = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask
+        surrogate = surrogate_objective(self.variant, logprobs, old_logprobs, minibatch.advantages, mask,
+                                        args.clip_coef, self.clip_coef_high, max_len=args.gen_len)  # fmt: skip
+        if not self.uses_reference or self.kl_estimator == "k1_reward":  # k1_reward: the KL is in the rewards
+            return surrogate, no_penalty
+        terms = kl_loss_terms(logprobs, minibatch.ref_logprobs, self.kl_estimator)
+        return surrogate, args.kl_coef * kl_objective(self.variant, terms, mask, max_len=args.gen_len)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_val = self.args.max_grad_norm if gradient_clip_val is None else gradient_clip_val

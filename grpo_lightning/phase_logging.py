@@ -33,6 +33,12 @@ class RolloutRecord:
     entropy: Tensor  # (B, T) policy entropy at each sampled position, nats
     logprobs: Tensor  # (B, T) log pi_old
     ref_logprobs: Tensor | None  # (B, T) log pi_ref; None without a reference (kl_coef = 0)
+    completion_mask: Tensor | None = None  # (B, T) bool, True for generated tokens; None: all are
+
+
+def masked_mean(values: Tensor, mask: Tensor | None) -> Tensor:
+    """The mean of ``values`` over the positions ``mask`` keeps (all of them for None)."""
+    return values.float().mean() if mask is None else values.float()[mask].mean()
 
 
 def rollout_scalars(record: RolloutRecord, group_size: int) -> dict[str, Tensor]:
@@ -43,18 +49,22 @@ def rollout_scalars(record: RolloutRecord, group_size: int) -> dict[str, Tensor]
         "rollout/reward_std": rewards.std() if len(rewards) > 1 else torch.tensor(0.0),
         "rollout/reward_min": rewards.min(),
         "rollout/reward_max": rewards.max(),
-        "rollout/entropy": record.entropy.float().mean(),
+        "rollout/entropy": masked_mean(record.entropy, record.completion_mask),
         "rollout/zero_advantage_groups": torch.tensor(zero_advantage_fraction(rewards, group_size)),
         "rollout/distinct_samples": torch.tensor(distinct_fraction(record.completions)),
     }
     for n in (1, 2):
         if record.completion_ids.shape[1] >= n:
-            scalars[f"rollout/distinct_{n}"] = torch.tensor(distinct_n(record.completion_ids, n))
+            scalars[f"rollout/distinct_{n}"] = torch.tensor(distinct_n(record.completion_ids, n, record.completion_mask))
     if record.ref_logprobs is not None:
         # k1 averaged over the batch is the reference's measurement (steady once the policy has drifted);
         # k3 is unbiased and low-variance while the policy is still close.
-        scalars["rollout/kl_k1"] = kl_k1(record.logprobs, record.ref_logprobs).mean()
-        scalars["rollout/kl_k3"] = kl_k3(record.logprobs, record.ref_logprobs).mean()
+        scalars["rollout/kl_k1"] = masked_mean(kl_k1(record.logprobs, record.ref_logprobs), record.completion_mask)
+        scalars["rollout/kl_k3"] = masked_mean(kl_k3(record.logprobs, record.ref_logprobs), record.completion_mask)
+    if record.completion_mask is not None:  # answers that end: how long, and how many ended
+        lengths = record.completion_mask.sum(dim=1).float()
+        scalars["rollout/completion_tokens"] = lengths.mean()
+        scalars["rollout/ended_fraction"] = (lengths < record.completion_mask.shape[1]).float().mean()
     return {name: value.detach().float().cpu() for name, value in scalars.items()}
 
 

@@ -22,12 +22,13 @@ def distinct_fraction(completions: list[str]) -> float:
     return len(set(completions)) / len(completions)
 
 
-def distinct_n(completion_ids: Tensor, n: int) -> float:
+def distinct_n(completion_ids: Tensor, n: int, mask: Tensor | None = None) -> float:
     """Distinct-n (Li et al., 2016): distinct n-grams across all completions / total n-grams.
 
     ``completion_ids`` is a ``(B, T)`` integer tensor of the generated tokens only (no prompt). The
     n-grams are the ``T - n + 1`` windows inside each row; none spans two rows. Distinct is counted
-    over the whole batch, total is ``B * (T - n + 1)``.
+    over the whole batch, total is ``B * (T - n + 1)``. With a ``mask`` (B, T) (False on padding after
+    an answer ended), only windows of unmasked tokens count; with none at all the result is 0.0.
 
     Raises ``ValueError`` when ``n < 1``, when the tensor is not 2-D, not integer or has no rows, or
     when ``T < n`` (no n-gram at all: the ratio is undefined, and 0.0 would read as total collapse).
@@ -44,6 +45,10 @@ def distinct_n(completion_ids: Tensor, n: int) -> float:
     if length < n:
         raise ValueError(f"distinct_n: completions of {length} tokens have no {n}-grams (need T >= n)")
     grams = completion_ids.detach().unfold(1, n, 1).reshape(-1, n)  # (B * (T - n + 1), n)
+    if mask is not None:
+        grams = grams[mask.unfold(1, n, 1).reshape(-1, n).all(dim=1)]
+        if grams.shape[0] == 0:
+            return 0.0
     return torch.unique(grams, dim=0).shape[0] / grams.shape[0]
 
 
