@@ -43,7 +43,7 @@ def no_model_loading(monkeypatch):
 def test_bad_settings_stop_with_one_line_before_any_model_loads(flags, message, capsys, no_model_loading, tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["fit", *flags, "--trainer.default_root_dir", str(tmp_path)])
-    assert exit_info.value.code == 1
+    assert exit_info.value.code == 2  # a usage error
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and message in err[-1]
     assert not [line for line in err if "Traceback" in line]
@@ -53,7 +53,9 @@ def test_unknown_option_is_one_line_too(capsys, no_model_loading):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["fit", "--model.batch_szie", "3"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: unrecognized arguments: --model.batch_szie 3"
+    assert capsys.readouterr().err.strip() == (
+        "error: unrecognized arguments: --model.batch_szie 3 (did you mean model.batch_size?)"
+    )
 
 
 @pytest.mark.parametrize("config", EXPERIMENTS, ids=os.path.basename)
