@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -300,22 +301,20 @@ def short_context_model(tiny_model_dir, tmp_path):
     return str(model_dir)
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        pytest.param(["--model.gen_len", "10000"],
-                     "prompt (3 tokens, start token included) + gen_len (10000) = 10003 tokens exceeds the model's "
-                     "context of 128 tokens (max_position_embeddings): lower model.gen_len to at most 125 or shorten "
-                     "model.prompt", id="gen_len=10000"),
-        pytest.param(["--model.gen_len", "126"],
-                     "prompt (3 tokens, start token included) + gen_len (126) = 129 tokens exceeds the model's "
-                     "context of 128 tokens (max_position_embeddings): lower model.gen_len to at most 125 or shorten "
-                     "model.prompt", id="one token over"),
-        pytest.param(["--model.prompt", " ".join(["word"] * 9000)],
-                     "prompt is 36001 tokens (start token included), already beyond the model's context of 128 tokens "
-                     "(max_position_embeddings): shorten model.prompt to leave room for gen_len (30)", id="9000-word prompt"),
-    ],
-)  # fmt: skip
+CONTEXT = [
+    ("gen_len=10000", ["--model.gen_len", "10000"],
+     "prompt (3 tokens, start token included) + gen_len (10000) = 10003 tokens exceeds the model's context of 128 "
+     "tokens (max_position_embeddings): lower model.gen_len to at most 125 or shorten model.prompt"),
+    ("one token over", ["--model.gen_len", "126"],
+     "prompt (3 tokens, start token included) + gen_len (126) = 129 tokens exceeds the model's context of 128 "
+     "tokens (max_position_embeddings): lower model.gen_len to at most 125 or shorten model.prompt"),
+    ("9000-word prompt", ["--model.prompt", " ".join(["word"] * 9000)],
+     "prompt is 36001 tokens (start token included), already beyond the model's context of 128 tokens "
+     "(max_position_embeddings): shorten model.prompt to leave room for gen_len (30)"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, message", [pytest.param(f, m, id=i) for i, f, m in CONTEXT])
 def test_beyond_the_context(flags, message, capsys, no_weights, short_context_model, tmp_path):
     argv = ["--model.model_name_or_path", short_context_model, *flags, "--trainer.default_root_dir", str(tmp_path / "runs")]
     assert error_line(argv, capsys, 2) == message
@@ -356,17 +355,17 @@ class BadReward(Reward):
         }[self.kind]
 
 
-@pytest.mark.parametrize(
-    "kind, message",
-    [
-        ("raise", "reward BadReward raised KeyError: 'no such entry'"),
-        ("short", "reward BadReward returned shape (1,) for 2 samples; it must return one value per sample, shape (2,)"),
-        ("column", "reward BadReward returned shape (2, 1) for 2 samples; it must return one value per sample, shape (2,)"),
-        ("text", "reward BadReward returned str; it must return a float tensor of shape (2,)"),
-        ("nan", "reward BadReward returned NaN or inf for samples [1] (1 of 2)"),
-        ("inf", "reward BadReward returned NaN or inf for samples [0] (1 of 2)"),
-    ],
-)
+REWARD_FAILURES = [
+    ("raise", "reward BadReward raised KeyError: 'no such entry'"),
+    ("short", "reward BadReward returned shape (1,) for 2 samples; it must return one value per sample, shape (2,)"),
+    ("column", "reward BadReward returned shape (2, 1) for 2 samples; it must return one value per sample, shape (2,)"),
+    ("text", "reward BadReward returned str; it must return a float tensor of shape (2,)"),
+    ("nan", "reward BadReward returned NaN or inf for samples [1] (1 of 2)"),
+    ("inf", "reward BadReward returned NaN or inf for samples [0] (1 of 2)"),
+]
+
+
+@pytest.mark.parametrize("kind, message", [pytest.param(k, m, id=k) for k, m in REWARD_FAILURES])
 def test_reward_failing_during_the_run(kind, message, capsys, tiny_model_dir, tmp_path):
     earlier = tmp_path / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"  # an earlier run's checkpoint
     earlier.parent.mkdir(parents=True)
@@ -426,3 +425,26 @@ def test_a_path_refused_during_the_run_is_one_line(capsys, monkeypatch):
     assert capsys.readouterr().err == (
         "error: cannot use '/runs/lightning_logs/version_3': Permission denied; check the path and its permissions\n"
     )
+
+
+# ---- the README's table ------------------------------------------------------------------------
+
+
+def test_every_row_of_the_readme_table_names_a_test_that_exists():
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    section = readme.split("## Bad input: one line each", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and not line.startswith("| area")]
+    assert len(rows) >= 40
+    ids = {name: {row[0] for row in rows_} for name, rows_ in [
+        ("test_bad_setting", SETTINGS), ("test_bad_yaml", YAML), ("test_beyond_the_context", CONTEXT),
+        ("test_reward_failing_during_the_run", REWARD_FAILURES),
+    ]}  # fmt: skip
+    for row in rows:
+        cells = [cell.strip() for cell in row.strip("|").split(" | ")]
+        assert len(cells) == 5 and cells[3] in ("1", "2"), row
+        for test in re.findall(r"`(test_\w+)(?:\[([^\]]+)\])?`", cells[4]):
+            name, case = test
+            if name == "test_cli":
+                continue  # tests/test_cli.py's own table of settings
+            assert callable(globals().get(name)), f"{name} (README row: {row})"
+            assert not case or case in ids[name], f"{name}[{case}] (README row: {row})"
