@@ -3,11 +3,15 @@
 ``grpo-lightning diagnose ...`` is a separate argparse command (``grpo_lightning.diagnostics``),
 dispatched before LightningCLI is built.
 
-Settings errors end in one line (``error: ...``) instead of a usage dump or a traceback.
+Bad input ends in one line (``error: ...``) instead of a usage dump or a traceback, with exit code 2
+for a usage error (a setting, path, YAML file or context length that cannot work) and 1 for a runtime
+failure (a reward raising mid-run, damaged model files). README: "Bad input: one line each".
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import shlex
 import signal
@@ -22,6 +26,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from .callbacks import StopAtSafePoints
 from .checkpointing import AtomicCheckpointIO, CheckpointError, PhaseCheckpoint
 from .config import GRPOConfigError, GRPOError
+from .input_checks import check_run_dir, explain_instantiation_error, explain_parser_error, prepare_argv
 from .interrupt import STOP, StopRequested
 from .module import GRPOModule
 from .precision import choose_precision, precision_warning, resolve_accelerator
@@ -73,7 +78,16 @@ class GRPOLightningCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         trainer = (self.config[self.subcommand] if self.subcommand else self.config).trainer
+        if self.subcommand is not None:  # a run, not a parse: refuse a run directory it cannot write
+            check_run_dir(trainer.default_root_dir)
         trainer.precision = settle_precision(trainer.precision, trainer.accelerator)
+
+    def instantiate_trainer(self, **kwargs):
+        # The model's inputs (path, tokenizer, context length, weight files) are checked before the
+        # trainer is built, so that a refusal is the only line a run prints (the trainer prints a banner).
+        if self.subcommand is not None and isinstance(self.model, GRPOModule):
+            self.model.check_inputs()
+        return super().instantiate_trainer(**kwargs)
 
 
 def settle_precision(precision, accelerator) -> str | int:
@@ -122,6 +136,10 @@ def make_cli(args=None, run: bool = True) -> GRPOLightningCLI:
     )
 
 
+# Errors of the file system that name a path the run could not use (disk full is not among them).
+_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST}
+
+
 def main(args=None) -> int | None:
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == ["diagnose"]:
@@ -131,24 +149,46 @@ def main(args=None) -> int | None:
         if code:
             sys.exit(code)
         return code
+    # Offline, huggingface_hub logs each of its connection retries; models.py fails at once instead.
+    logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
     STOP.install()
     try:
-        make_cli(args)
+        prepared = prepare_argv(argv)
+        if args is None:
+            sys.argv[1:] = prepared  # LightningCLI warns if given both args and a command line
+        make_cli(None if args is None else prepared)
     except (StopRequested, SIGTERMException, KeyboardInterrupt) as stop:
         sys.exit(report_stop(stop, argv))
     except (GRPOError, ArgumentError, ValueError) as error:
         # jsonargparse wraps an error raised while building a reward from YAML in a ValueError of
         # its own: report the project's error it carries, if any.
         own = _project_error(error)
-        if own is None and not isinstance(error, ArgumentError):
+        if own is not None:
+            last = getattr(own, "grpo_last_checkpoint", None)  # the run had started: say what is kept
+            kept = f"; the last checkpoint, intact, is {last} (resume with --ckpt_path {last})" if last else ""
+            _fail(_one_line(own) + kept, exit_code(own))
+        if isinstance(error, ArgumentError):
+            _fail(explain_parser_error(_one_line(error)), 2)
+        built = explain_instantiation_error(error)  # a class's own __init__ raised (user code): runtime
+        if built is None:
             raise
-        last = getattr(own, "grpo_last_checkpoint", None)  # the run had started: say what is kept
-        kept = f"; the last checkpoint, intact, is {last} (resume with --ckpt_path {last})" if last else ""
-        print(f"error: {_one_line(own or error)}{kept}", file=sys.stderr)
-        usage = own is None or isinstance(own, GRPOConfigError)  # settings and inputs: 2; failures at run time: 1
-        sys.exit(2 if usage else 1)
+        _fail(built, 1)
+    except OSError as error:
+        if error.errno not in _PATH_ERRNOS or not error.filename:
+            raise
+        _fail(f"cannot use '{error.filename}': {error.strerror}; check the path and its permissions", 1)
     finally:
         STOP.restore()
+
+
+def exit_code(error: GRPOError) -> int:
+    """2 for a usage error (GRPOConfigError), 1 for a runtime failure."""
+    return 2 if isinstance(error, GRPOConfigError) else 1
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(code)
 
 
 def report_stop(stop: BaseException, argv: list[str]) -> int:

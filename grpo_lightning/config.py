@@ -13,11 +13,14 @@ import torch
 
 
 class GRPOError(Exception):
-    """Base class of the errors this library raises for a user to read (one line, no traceback)."""
+    """Base class of the errors this library raises for a user to read (one line, no traceback).
+    The command line exits with code 1 for these (a runtime failure: a reward raising mid-run,
+    damaged model files), and 2 for a ``GRPOConfigError``."""
 
 
 class GRPOConfigError(GRPOError, ValueError):
-    """A setting that cannot work; the message names the setting and how to fix it."""
+    """A usage error: a setting, path or input that cannot work; the message names it and how to fix
+    it. The command line exits with code 2 for these, as for any other usage error."""
 
 
 def _zero_reward(samples: list[str]) -> torch.Tensor:
@@ -58,7 +61,12 @@ def _require(ok: bool, message: str) -> None:
 def validate_args(args: GRPO_Args) -> None:
     """Raises GRPOConfigError, naming the setting, for the first setting that cannot work.
     Checked in order, so that e.g. num_minibatches >= 1 holds before anything divides by it."""
-    _require(args.batch_size >= 1, f"batch_size ({args.batch_size}) must be at least 1")
+    # A group of one has advantage 0 (its reward minus its own mean) on every phase: it trains on nothing.
+    _require(
+        args.batch_size >= 2,
+        f"batch_size ({args.batch_size}) must be at least 2: each completion is scored against the others "
+        "of its group, so a group of one has advantage 0 and learns nothing",
+    )
     _require(args.num_minibatches >= 1, f"num_minibatches ({args.num_minibatches}) must be at least 1")
     _require(
         args.batch_size % args.num_minibatches == 0,

@@ -41,6 +41,19 @@ class LoraSettings:
     target_modules: list[str] | None = None
     merge_on_export: bool = False
 
+    def validate(self) -> None:
+        """Raises GRPOConfigError for a setting peft would refuse deep in model loading. Called by
+        GRPOModule, not on construction: the parser builds these inside a union, where an error raised
+        here would be reported as a mismatch of every member of the union."""
+        from .config import GRPOConfigError
+
+        if not (isinstance(self.r, int) and self.r >= 1):
+            raise GRPOConfigError(f"lora.r ({self.r}) must be at least 1 (the rank of each adapter)")
+        if not self.alpha > 0:
+            raise GRPOConfigError(f"lora.alpha ({self.alpha}) must be > 0 (adapters are scaled by alpha / r)")
+        if not 0 <= self.dropout < 1:
+            raise GRPOConfigError(f"lora.dropout ({self.dropout}) must lie in [0, 1)")
+
 
 def default_target_modules(model: torch.nn.Module) -> list[str] | str:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
@@ -62,4 +75,12 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int = 0) ->
     )
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
         torch.manual_seed(seed)
-        return get_peft_model(model, config).eval()
+        try:
+            return get_peft_model(model, config).eval()
+        except ValueError as error:  # peft's word for target_modules naming no layer of this model
+            from .config import GRPOConfigError
+
+            raise GRPOConfigError(
+                f"lora: {str(error).splitlines()[0]}; set lora.target_modules to layer names of this model, "
+                "or null for the default"
+            ) from error

@@ -36,7 +36,14 @@ from .lora import LoraSettings, apply_lora
 from .machine import competing_processes, cpu_contention_warning, fit_threads_to_cpus
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
 from .guards import NonFiniteSteps
-from .models import check_model_name, load_causal_lm, load_tokenizer
+from .models import (
+    check_model_fits,
+    check_model_name,
+    load_causal_lm,
+    load_model_config,
+    load_tokenizer,
+    resolve_model_path,
+)
 from .objectives import (
     calc_clipped_surrogate_objective,
     clip_fraction,
@@ -50,7 +57,7 @@ from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scal
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .reward_checks import score_samples
 from .rollout_stats import importance_ratio_stats
-from .sampling import encode_prompt, sample_group, stop_token_ids
+from .sampling import default_start_token, encode_prompt, sample_group, stop_token_ids
 
 
 # Up to this many tokens per sequence, plain ("eager") attention beats the fused kernel on CPU (a
@@ -108,6 +115,7 @@ class GRPOModule(L.LightningModule):
         recompute_old_logprobs: bool = False,
         activation_checkpointing: bool = False,
         attn_implementation: str | None = None,
+        trust_remote_code: bool = False,
     ):
         """
         Args:
@@ -165,6 +173,9 @@ class GRPOModule(L.LightningModule):
                 "sdpa", ...); null picks "eager" for sequences (prompt + gen_len) of at most
                 64 tokens, where it is 10-15% faster on CPU than the fused kernel, and transformers'
                 default otherwise (eager attention keeps a seq x seq matrix per head for backward).
+            trust_remote_code: run the Python files a model directory or hub repo ships with its weights
+                (models whose architecture transformers lacks). Off by default: nothing from a model
+                directory is executed unless you turn this on for a model you trust.
         """
         super().__init__()
         check_model_name(model_name_or_path)
@@ -200,9 +211,12 @@ class GRPOModule(L.LightningModule):
         self.activation_checkpointing = activation_checkpointing
         self.attn_implementation = attn_implementation
         self.nonfinite = NonFiniteSteps(max_nonfinite_steps)
+        self.trust_remote_code = trust_remote_code
         if isinstance(lora, dict):  # as stored in a checkpoint's hyperparameters
             lora = LoraSettings(**lora)
         self.lora: LoraSettings | None = LoraSettings() if lora is True else (lora or None)
+        if self.lora is not None:
+            self.lora.validate()
         self.save_hyperparameters()
         # Checkpoints must hold plain data only, to stay loadable with torch.load(weights_only=True).
         if not isinstance(self.hparams.reward, dict):  # built in Python, not by the CLI (which stores its config)
@@ -242,19 +256,33 @@ class GRPOModule(L.LightningModule):
         """Loads the models once (Lightning and ``load_from_checkpoint`` may both call this)."""
         if self.policy is not None:
             return
+        self.check_inputs()  # loads the tokenizer; refuses what cannot work before any weights load
         prepare_reward(self.reward)  # load a reward model now: a missing classifier fails before training
-        self.tokenizer = load_tokenizer(self.args.base_model)
         if self.stop_at_eos:
             self.stop_tokens = stop_token_ids(self.tokenizer)
         attention = self.attention_kernel()
-        self.policy = load_causal_lm(self.args.base_model, attention)
+        self.policy = load_causal_lm(self.args.base_model, attention, self.trust_remote_code)
         if self.lora is not None:
             # The reference is this same network with its adapters disabled: no second copy.
             self.policy = apply_lora(self.policy, self.lora, seed=self.args.seed)
         elif self.uses_reference:
-            self.ref_model = load_causal_lm(self.args.base_model, attention).requires_grad_(False)
+            reference = load_causal_lm(self.args.base_model, attention, self.trust_remote_code)
+            self.ref_model = reference.requires_grad_(False)
         if self.activation_checkpointing:
             enable_activation_checkpointing(self.policy)
+
+    def check_inputs(self) -> None:
+        """Loads the tokenizer (once) and, before any weights load, refuses a tokenizer that does not fit
+        the model, a prompt + gen_len beyond its context, or truncated weight files. The command line
+        calls it before the trainer is built, so that a refusal is all a run prints."""
+        path = resolve_model_path(self.args.base_model)
+        config = load_model_config(path, self.trust_remote_code)  # first: the smallest file, read alone
+        if self.tokenizer is None:
+            self.tokenizer = load_tokenizer(path, self.trust_remote_code)
+        start = default_start_token(self.tokenizer) if self.start_token is None else self.start_token
+        # As encode_prompt counts, without the tokenizer's warning about texts beyond its maximum length.
+        prompt_tokens = len(self.tokenizer(start + self.args.prompt, add_special_tokens=False, verbose=False).input_ids)
+        check_model_fits(config, path, len(self.tokenizer), prompt_tokens, self.args.gen_len)
 
     def attention_kernel(self) -> str | None:
         """``attn_implementation``, or for null: "eager" for short sequences, else transformers' default."""

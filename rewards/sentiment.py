@@ -88,10 +88,12 @@ class SentimentClassifier(RewardModule):
             return auto_class.from_pretrained(resolve_model_path(path), **kwargs)
         except (OSError, ValueError) as error:
             where = "local directory" if looks_like_local_path(path) else "hub id"
-            first_line = (str(error).splitlines() or [""])[0].rstrip(".")
+            # A hub id that is neither cached nor reachable fails at once in resolve_model_path, with its reason.
+            reason = getattr(error, "reason", None)
+            cause = reason or f"{type(error).__name__}: " + (str(error).splitlines() or [""])[0].rstrip(".")
             raise ModelLoadError(
-                f"{self.name}: could not load the classifier '{path}' ({where}): {type(error).__name__}: "
-                f"{first_line}. Offline, a hub id cannot be fetched: download it "
+                f"{self.name}: could not load the classifier '{path}' ({where}): "
+                f"{cause}. Offline, a hub id cannot be fetched: download it "
                 f"elsewhere (hf download {path} --local-dir DIR) and pass DIR as model_name_or_path, or use "
                 "rewards.VaderSentiment, which needs no download (HF_HUB_OFFLINE=1 skips the connection retries)"
             ) from error

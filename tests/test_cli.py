@@ -53,7 +53,9 @@ def test_unknown_option_is_one_line_too(capsys, no_model_loading):
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["fit", "--model.batch_szie", "3"])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == "error: unrecognized arguments: --model.batch_szie 3"
+    assert capsys.readouterr().err.strip() == (
+        "error: unrecognized arguments: --model.batch_szie 3 (did you mean model.batch_size?)"
+    )
 
 
 @pytest.mark.parametrize("config", EXPERIMENTS, ids=os.path.basename)

@@ -50,6 +50,7 @@ def test_config_error_types():
         (dict(batch_size=10, num_minibatches=4), "batch_size"),
         (dict(batch_size=128, num_minibatches=3), "num_minibatches"),
         (dict(batch_size=0), "batch_size"),
+        (dict(batch_size=1, num_minibatches=1), "batch_size"),
         (dict(num_minibatches=-2), "num_minibatches"),
         (dict(warmup_steps=-1), "warmup_steps"),
         (dict(batches_per_learning_phase=0), "batches_per_learning_phase"),
@@ -102,6 +103,16 @@ def test_divisibility_message_names_both_values():
     assert "batch_size (10)" in message and "num_minibatches (4)" in message, message
 
 
+def test_a_group_of_one_is_refused_saying_why():
+    # Its advantage, reward minus the group's mean, is 0 on every phase: nothing would be learnt.
+    with pytest.raises(GRPOConfigError) as excinfo:
+        GRPO_Args(batch_size=1, num_minibatches=1)
+    assert str(excinfo.value) == (
+        "batch_size (1) must be at least 2: each completion is scored against the others of its group, "
+        "so a group of one has advantage 0 and learns nothing"
+    )
+
+
 def test_total_phases_message_names_both_values():
     with pytest.raises(GRPOConfigError) as excinfo:
         GRPO_Args(total_phases=10, warmup_steps=10)
@@ -118,7 +129,7 @@ def test_total_phases_message_names_both_values():
         dict(gen_len=1),
         dict(total_phases=11, warmup_steps=10),
         dict(warmup_steps=0, total_phases=1),
-        dict(batch_size=1, num_minibatches=1),
+        dict(batch_size=2, num_minibatches=2),  # the smallest group, in minibatches of one
         dict(temperature=0.01),
         dict(prompt=" x "),
         dict(final_scale=0.0),
