@@ -75,6 +75,8 @@ warnings.filterwarnings("ignore", message=r"Precision bf16-mixed is not supporte
 # - a reward model is stored in hparams as plain data (its class_path/init_args), not as a module.
 warnings.filterwarnings("ignore", message=r"Attribute 'reward' is an instance of `nn.Module`")
 # - a step with a NaN or inf loss is skipped by returning None from training_step (counted and logged).
+# - a resumed run writes into a new version directory, so its checkpoint callback starts afresh there.
+warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
 
 
