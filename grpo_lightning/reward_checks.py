@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rewards.base import reward_name
+from rewards.base import call_reward, reward_name
 
 from .config import GRPOError
 
@@ -20,12 +20,13 @@ def _indices(mask: Tensor, limit: int = 10) -> str:
     return f"[{shown}{', ...' if len(idx) > limit else ''}] ({len(idx)} of {mask.numel()})"
 
 
-def score_samples(reward, samples: list[str]) -> Tensor:
-    """Calls ``reward(samples)`` and returns float32 rewards (B,) on the CPU, or raises RewardError
-    naming the reward and what is wrong (the sample indices, where the fault is per sample)."""
+def score_samples(reward, samples: list[str], completions: list[str] | None = None, rows: list[dict] | None = None) -> Tensor:
+    """Calls the reward (with each sample's completion and row, where it reads them: ``call_reward``) and
+    returns float32 rewards (B,) on the CPU, or raises RewardError naming the reward and what is wrong
+    (the sample indices, where the fault is per sample)."""
     name = reward_name(reward)
     try:
-        values = reward(samples)
+        values = call_reward(reward, samples, completions, rows)
     except Exception as error:  # any failure inside user code becomes one readable line
         raise RewardError(f"reward {name} raised {type(error).__name__}: {error}") from error
     if isinstance(values, Tensor):

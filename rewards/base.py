@@ -11,9 +11,17 @@ Two base classes:
   it scores under ``no_grad`` with autocast off, so the trainer's precision does not change rewards.
 
 Any plain function with the reference's ``reward_fn(samples) -> Tensor`` signature works too.
+
+Rewards that read the row. With prompts from data (``model.prompts``), each sample comes from a row:
+its prompt and other columns (an ``answer``, a test case). A ``Reward`` that needs them overrides
+``score_rows(completions, rows)`` instead of (or besides) ``score(samples)``; a plain function that
+takes keyword arguments ``completions`` and ``rows`` gets them too. Everything written for
+``score(samples)`` keeps working unchanged: a sample is still the row's prompt + its completion.
 """
 
 from __future__ import annotations
+
+import inspect
 
 from abc import ABC, abstractmethod
 
@@ -22,11 +30,19 @@ from torch import Tensor
 
 
 class Reward(ABC):
-    """Subclass and implement ``score``; instances are callables usable wherever a reward is taken.
+    """Subclass and implement ``score`` (or ``score_rows``, to read each sample's row); instances are
+    callables usable wherever a reward is taken.
 
     Optionally override ``setup`` to load something heavy (a model) once, before the first score.
     Any plain function with the reference's ``reward_fn(samples) -> Tensor`` signature works too.
     """
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        # ``score`` is abstract; a class implementing ``score_rows`` alone is complete (ABCMeta reads
+        # the abstract methods after this runs), and its ``score`` says that it needs rows.
+        if "score_rows" in cls.__dict__ and getattr(cls.score, "__isabstractmethod__", False):
+            cls.score = _score_needs_rows
 
     @property
     def name(self) -> str:
@@ -44,7 +60,15 @@ class Reward(ABC):
 
     @abstractmethod
     def score(self, samples: list[str]) -> Tensor:
-        """Returns one float reward per sample, shape (len(samples),)."""
+        """Returns one float reward per sample (prompt + completion), shape (len(samples),)."""
+
+    def score_rows(self, completions: list[str], rows: list[dict]) -> Tensor:
+        """One float reward per completion, reading its row (``row["prompt"]`` and any other column).
+        Defaults to ``score`` on prompt + completion."""
+        return self.score([row["prompt"] + completion for completion, row in zip(completions, rows)])
+
+    def reads_rows(self) -> bool:
+        return type(self).score_rows is not Reward.score_rows
 
     def setup(self) -> None:
         """Loads what ``score`` needs (a model, a lexicon). Runs once, through ``prepare``: before
@@ -56,13 +80,25 @@ class Reward(ABC):
             self.setup()
             self.__dict__["_prepared"] = True
 
-    def __call__(self, samples: list[str]) -> Tensor:
+    def __call__(self, samples: list[str], completions: list[str] | None = None, rows: list[dict] | None = None) -> Tensor:
         self.prepare()
+        return self._dispatch(samples, completions, rows)
+
+    def _dispatch(self, samples, completions, rows) -> Tensor:
+        if rows is not None and completions is not None and self.reads_rows():
+            return self.score_rows(completions, rows)
         return self.score(samples)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_") and k != "training")
         return f"{self.name}({args})"
+
+
+def _score_needs_rows(self, samples: list[str]) -> Tensor:
+    raise TypeError(
+        f"{self.name} reads each sample's row (score_rows): use it with prompts from data (model.prompts), "
+        "whose rows hold the columns it reads"
+    )
 
 
 class RewardModule(Reward, torch.nn.Module):
@@ -91,10 +127,24 @@ class RewardModule(Reward, torch.nn.Module):
             self.to(self.device)  # networks setup loaded join the device the reward was moved to
         self.requires_grad_(False).train(False)  # every call: a trainer may have switched modes directly
 
-    def __call__(self, samples: list[str]) -> Tensor:
+    def __call__(self, samples: list[str], completions: list[str] | None = None, rows: list[dict] | None = None) -> Tensor:
         self.prepare()
         with torch.no_grad(), torch.autocast(self.device.type, enabled=False):
-            return self.score(samples)
+            return self._dispatch(samples, completions, rows)
+
+
+def call_reward(reward, samples: list[str], completions: list[str] | None = None, rows: list[dict] | None = None):
+    """Calls any reward: a ``Reward`` with the rows when it reads them; a plain function with keyword
+    arguments ``completions`` and ``rows`` when its signature takes them, else with the samples only."""
+    if isinstance(reward, Reward) or rows is None:
+        return reward(samples, completions=completions, rows=rows) if isinstance(reward, Reward) else reward(samples)
+    try:
+        parameters = inspect.signature(reward).parameters
+    except (TypeError, ValueError):  # a builtin without a signature
+        return reward(samples)
+    if "rows" in parameters and "completions" in parameters:
+        return reward(samples, completions=completions, rows=rows)
+    return reward(samples)
 
 
 def reward_name(reward) -> str:

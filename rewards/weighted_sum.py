@@ -55,9 +55,19 @@ class WeightedSum(RewardModule):
             prepare_reward(reward)
 
     def score(self, samples: list[str]) -> Tensor:
+        return self._weighted(samples, None, None)
+
+    def score_rows(self, completions: list[str], rows: list[dict]) -> Tensor:
+        # Each component gets the rows too: a row-reading component (an exact answer) can sit beside others.
+        samples = [row["prompt"] + completion for completion, row in zip(completions, rows)]
+        return self._weighted(samples, completions, rows)
+
+    def _weighted(self, samples: list[str], completions, rows) -> Tensor:
         from grpo_lightning.reward_checks import score_samples
 
-        components = {name: score_samples(reward, samples) for name, reward in zip(self._names, self.rewards)}
+        components = {
+            name: score_samples(reward, samples, completions, rows) for name, reward in zip(self._names, self.rewards)
+        }
         self.last_components = components
         total = torch.zeros(len(samples), dtype=torch.float32)
         for weight, values in zip(self.weights, components.values()):
