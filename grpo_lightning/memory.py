@@ -19,6 +19,7 @@ class ReplayMinibatch:
     ref_logprobs: Tensor  # (b, T) log pi_ref of the generated tokens
     advantages: Tensor  # (b,) one per sequence
     completion_mask: Tensor | None = None  # (b, T) bool, True for generated tokens; None: all are
+    attention_mask: Tensor | None = None  # (b, P + T) 0 on prompt left-padding; None: no padding
 
 
 class ReplayMemory:
@@ -31,12 +32,15 @@ class ReplayMemory:
     def __init__(
         self, args, sample_ids: Tensor, logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor,
         completion_mask: Tensor | None = None,
+        attention_mask: Tensor | None = None,
     ):  # fmt: skip
         assert sample_ids.shape[0] == args.batch_size
         assert logprobs.shape == ref_logprobs.shape == (args.batch_size, args.gen_len)
         assert advantages.shape == (args.batch_size,)
         assert completion_mask is None or completion_mask.shape == logprobs.shape
+        assert attention_mask is None or attention_mask.shape == sample_ids.shape
         self.completion_mask = completion_mask
+        self.attention_mask = attention_mask
         self.args = args
         self.sample_ids = sample_ids
         self.logprobs = logprobs
@@ -62,6 +66,7 @@ class ReplayMemory:
                         ref_logprobs=self.ref_logprobs[indices],
                         advantages=self.advantages[indices],
                         completion_mask=None if self.completion_mask is None else self.completion_mask[indices],
+                        attention_mask=None if self.attention_mask is None else self.attention_mask[indices],
                     )
                 )
         return minibatches

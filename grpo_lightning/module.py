@@ -57,7 +57,9 @@ from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scal
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .reward_checks import score_samples
 from .rollout_stats import importance_ratio_stats
-from .sampling import default_start_token, encode_prompt, sample_group, stop_token_ids
+from .prompts import PromptSource, describe_source
+from .rollout import prompt_text, sample_groups
+from .sampling import default_start_token, encode_prompt, stop_token_ids
 
 
 # Up to this many tokens per sequence, plain ("eager") attention beats the fused kernel on CPU (a
@@ -93,6 +95,9 @@ class GRPOModule(L.LightningModule):
         model_name_or_path: str | None = None,
         prompt: str = "This is",
         start_token: str | None = None,
+        prompts: PromptSource | None = None,
+        prompts_per_phase: int = 1,
+        chat_template: bool = False,
         total_phases: int = 100,
         batch_size: int = 128,
         num_minibatches: int = 4,
@@ -129,8 +134,16 @@ class GRPOModule(L.LightningModule):
             prompt: the text every completion continues (one prompt, so the whole batch is one group).
             start_token: prepended to the prompt as a start-of-document marker; null picks the
                 tokenizer's own (``<|endoftext|>`` for GPT-2 and SmolLM2); "" for none.
+            prompts: prompts as data instead of the single ``prompt``: a ``PromptSource`` block, e.g.
+                ``grpo_lightning.prompts.PromptFile`` with ``path: data.jsonl`` (rows with a ``prompt``
+                column and any others, which rewards may read). Each phase draws ``prompts_per_phase``
+                rows (which ones depends on the seed and the phase only) and samples ``batch_size``
+                completions of each: one group per prompt, advantages normalised within each group.
+            prompts_per_phase: prompts (groups) per phase, with ``prompts``.
+            chat_template: render each prompt through the tokenizer's chat template as a user turn (how
+                instruct models are meant to be asked) instead of start_token + prompt.
             total_phases: phases to train (a phase = rollout + learning = one epoch).
-            batch_size: completions per phase, the GRPO group size G.
+            batch_size: completions per prompt, the GRPO group size G (per phase: G x prompts_per_phase).
             num_minibatches: minibatches the group is split into for the learning phase.
             batches_per_learning_phase: shuffled passes over the group per learning phase.
             gen_len: tokens generated per completion (always exactly this many).
@@ -194,6 +207,18 @@ class GRPOModule(L.LightningModule):
             reward = CharCount(".")
         if isinstance(reward, torch.nn.Module):  # a reward model: a child, so Lightning places it; never trained
             reward.requires_grad_(False).eval()
+        if prompts_per_phase < 1:
+            raise GRPOConfigError(f"prompts_per_phase ({prompts_per_phase}) must be at least 1")
+        if prompts is None and prompts_per_phase > 1:
+            raise GRPOConfigError(
+                f"prompts_per_phase ({prompts_per_phase}) needs prompts to draw from: set model.prompts, "
+                "or leave prompts_per_phase at 1 for the single prompt"
+            )
+        if prompts_per_phase > 1 and (batch_size * prompts_per_phase) % num_minibatches:
+            raise GRPOConfigError(
+                f"batch_size x prompts_per_phase ({batch_size} x {prompts_per_phase}) must be divisible by "
+                f"num_minibatches ({num_minibatches})"
+            )
         self.args = GRPO_Args(
             seed=seed, total_phases=total_phases, prompt=prompt, batch_size=batch_size,
             num_minibatches=num_minibatches, batches_per_learning_phase=batches_per_learning_phase,
@@ -203,10 +228,14 @@ class GRPOModule(L.LightningModule):
         )  # fmt: skip
         self.reward = reward
         self.start_token = start_token
+        self.prompts = prompts
+        self.prompts_per_phase = prompts_per_phase
+        self.chat_template = chat_template
         self.kl_estimator = kl_estimator
         self.stop_at_eos = stop_at_eos
         self.clip_coef_high = clip_coef_high
         self.stop_tokens: list[int] | None = None  # the ids that end a completion, with stop_at_eos
+        self.max_positions: int | None = None  # the model's context, read by check_inputs
         self.samples_shown = samples_shown
         self.export_dir = export_dir
         self.recompute_old_logprobs = recompute_old_logprobs
@@ -223,6 +252,8 @@ class GRPOModule(L.LightningModule):
         # Checkpoints must hold plain data only, to stay loadable with torch.load(weights_only=True).
         if not isinstance(self.hparams.reward, dict):  # built in Python, not by the CLI (which stores its config)
             self.hparams.reward = describe_reward(reward)
+        if isinstance(self.hparams.prompts, PromptSource):
+            self.hparams.prompts = describe_source(prompts)
         if isinstance(self.hparams.lora, LoraSettings):
             self.hparams.lora = dataclasses.asdict(self.hparams.lora)
 
@@ -283,13 +314,46 @@ class GRPOModule(L.LightningModule):
             self.tokenizer = load_tokenizer(path, self.trust_remote_code)
         start = default_start_token(self.tokenizer) if self.start_token is None else self.start_token
         # As encode_prompt counts, without the tokenizer's warning about texts beyond its maximum length.
-        prompt_tokens = len(self.tokenizer(start + self.args.prompt, add_special_tokens=False, verbose=False).input_ids)
+        prompt_tokens = max(len(self.tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
+                            for text in self.known_prompt_texts(start))  # fmt: skip
         check_model_fits(config, path, len(self.tokenizer), prompt_tokens, self.args.gen_len)
+        self.max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+
+    def known_prompt_texts(self, start: str) -> list[str]:
+        """The texts the model will be asked, where they are known before training: the single prompt, or
+        every row of a fixed prompt set (a generated stream is checked as it is drawn)."""
+        if self.prompts is None:
+            return [start + self.args.prompt]
+        try:
+            rows = self.prompts.all_rows()
+        except NotImplementedError:
+            return [start + self.args.prompt]
+        return [prompt_text(self.tokenizer, row["prompt"], self.start_token, self.chat_template) for row in rows]
+
+    @property
+    def sequences_per_phase(self) -> int:
+        return self.args.batch_size * self.prompts_per_phase
+
+    @property
+    def phase_args(self) -> GRPO_Args:
+        """The settings with batch_size = the sequences of a whole phase (all groups): what the replay
+        memory splits into minibatches."""
+        if self.prompts is None:
+            return self.args
+        return dataclasses.replace(self.args, batch_size=self.sequences_per_phase)
+
+    def draw_rows(self) -> list[dict]:
+        """This phase's prompt rows: the single prompt, or ``prompts_per_phase`` rows drawn by seed and phase."""
+        if self.prompts is None:
+            return [{"prompt": self.args.prompt}]
+        return self.prompts.draw(self.args.seed, self.current_epoch, self.prompts_per_phase)
 
     def attention_kernel(self) -> str | None:
         """``attn_implementation``, or for null: "eager" for short sequences, else transformers' default."""
         if self.attn_implementation is not None:
             return self.attn_implementation
+        if self.prompts is not None or self.chat_template:
+            return None  # lengths known only as prompts are drawn: transformers' default kernel
         prompt_tokens = encode_prompt(self.tokenizer, self.args.prompt, self.start_token).shape[1]
         return "eager" if prompt_tokens + self.args.gen_len <= SHORT_SEQUENCE_TOKENS else None
 
@@ -299,7 +363,7 @@ class GRPOModule(L.LightningModule):
         exactly the detached current log pi (the importance ratio is exactly 1)."""
         return self.args.num_minibatches == 1 and self.args.batches_per_learning_phase == 1
 
-    def get_ref_logprobs(self, sample_ids: Tensor) -> Tensor | None:
+    def get_ref_logprobs(self, sample_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor | None:
         """(B, T) log-probabilities under the reference policy; None when there is none (kl_coef=0).
         With LoRA, the reference is the policy with its adapters switched off."""
         if not self.uses_reference:
@@ -307,7 +371,8 @@ class GRPOModule(L.LightningModule):
         reference = self.ref_model if self.lora is None else self.policy
         context = self.policy.disable_adapter() if self.lora is not None else contextlib.nullcontext()
         with context:
-            return get_logprobs_batched(reference, sample_ids, self.args.gen_len, self.args.minibatch_size)
+            chunk = self.phase_args.minibatch_size
+            return get_logprobs_batched(reference, sample_ids, self.args.gen_len, chunk, attention_mask)
 
     # ---- rollout phase ---------------------------------------------------------------------
 
@@ -368,33 +433,35 @@ class GRPOModule(L.LightningModule):
     def rollout_phase(self) -> ReplayMemory:
         args, timer = self.args, self.timer
         with timer.measure("generate"):
-            sampled, samples = sample_group(
-                self.policy, self.tokenizer, args.prompt, args.batch_size, args.gen_len, args.temperature,
-                self.start_token, self.stop_tokens,
+            sampled = sample_groups(
+                self.policy, self.tokenizer, self.draw_rows(), args.batch_size, args.gen_len, args.temperature,
+                self.start_token, self.stop_tokens, self.chat_template, self.max_positions,
             )  # fmt: skip
-        sample_ids, mask = sampled.sample_ids, sampled.completion_mask
+        sample_ids, mask, padding = sampled.sample_ids, sampled.completion_mask, sampled.attention_mask
+        samples = sampled.samples
         with timer.measure("score"):
-            rewards = score_samples(self.reward, samples)
+            rewards = score_samples(self.reward, samples, sampled.completions, sampled.rows)
         logprobs = sampled.logprobs
         if self.recompute_old_logprobs:
             with timer.measure("old_logprobs"):
-                logprobs = get_logprobs_batched(self.policy, sample_ids, args.gen_len, args.minibatch_size)
+                chunk = self.phase_args.minibatch_size
+                logprobs = get_logprobs_batched(self.policy, sample_ids, args.gen_len, chunk, padding)
         with timer.measure("ref_logprobs"):
-            ref_logprobs = self.get_ref_logprobs(sample_ids)
+            ref_logprobs = self.get_ref_logprobs(sample_ids, padding)
         if mask is not None:  # padding after an answer ended: 0, so that sums over tokens skip it
             logprobs = logprobs * mask
             ref_logprobs = None if ref_logprobs is None else ref_logprobs * mask
         scored_rewards = rewards.to(self.device)
         if self.kl_estimator == "k1_reward" and ref_logprobs is not None:
             scored_rewards = kl_in_reward(scored_rewards, logprobs, ref_logprobs, args.kl_coef)
-        if self.variant.scale_by_std:
-            advantages = compute_grpo_advantages(scored_rewards)
-        else:  # Dr. GRPO: centred only
-            advantages = group_advantages(scored_rewards, group_size=args.batch_size, scale_by_std=False)
+        if self.prompts is None and self.variant.scale_by_std:
+            advantages = compute_grpo_advantages(scored_rewards)  # the chapter's: one group
+        else:  # one group per prompt, never across groups; Dr. GRPO: centred only
+            advantages = group_advantages(scored_rewards, args.batch_size, scale_by_std=self.variant.scale_by_std)
         completion_ids = sample_ids[:, -args.gen_len :]
         record = RolloutRecord(
             samples=samples,
-            completions=[sample[len(args.prompt) :] for sample in samples],
+            completions=sampled.completions,
             completion_ids=completion_ids,
             rewards=rewards,
             advantages=advantages,
@@ -406,7 +473,9 @@ class GRPOModule(L.LightningModule):
         self.log_rollout(record)
         if ref_logprobs is None:  # kl_coef=0: the KL term is skipped, these zeros are never read
             ref_logprobs = torch.zeros_like(logprobs)
-        return ReplayMemory(args, sample_ids, logprobs, ref_logprobs, advantages, completion_mask=mask)
+        return ReplayMemory(
+            self.phase_args, sample_ids, logprobs, ref_logprobs, advantages, completion_mask=mask, attention_mask=padding
+        )
 
     def log_rollout(self, record: RolloutRecord) -> None:
         scalars = rollout_scalars(record, group_size=self.args.batch_size)  # one prompt: one group
@@ -435,7 +504,7 @@ class GRPOModule(L.LightningModule):
 
     def on_train_epoch_end(self) -> None:
         mask = self.memory.completion_mask
-        generated_tokens = self.args.batch_size * self.args.gen_len if mask is None else int(mask.sum())
+        generated_tokens = self.sequences_per_phase * self.args.gen_len if mask is None else int(mask.sum())
         self.log_dict(perf_scalars(self.timer, generated_tokens), on_step=False, on_epoch=True, batch_size=1)
 
     # ---- learning phase --------------------------------------------------------------------
@@ -449,7 +518,7 @@ class GRPOModule(L.LightningModule):
 
     def training_step(self, minibatch: ReplayMinibatch, batch_idx: int) -> Tensor:
         args = self.args
-        logprobs = generated_logprobs(self.policy, minibatch.sample_ids, args.gen_len)  # (b, T)
+        logprobs = generated_logprobs(self.policy, minibatch.sample_ids, args.gen_len, minibatch.attention_mask)  # (b, T)
         # On-policy (one minibatch, one pass): log pi_old is this very forward pass, detached; the
         # ratio is exactly 1 and the gradient is the plain policy gradient, with no rounding noise.
         old_logprobs = logprobs.detach() if self.on_policy else minibatch.logprobs

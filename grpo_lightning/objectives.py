@@ -114,30 +114,43 @@ def get_logits(model: torch.nn.Module, sample_ids: Tensor, gen_len: int) -> Tens
     return model(input_ids=sample_ids, logits_to_keep=gen_len + 1).logits
 
 
-def generated_logprobs(model: torch.nn.Module, sample_ids: Tensor, gen_len: int) -> Tensor:
+def generated_logprobs(
+    model: torch.nn.Module, sample_ids: Tensor, gen_len: int, attention_mask: Tensor | None = None
+) -> Tensor:
     """``get_logprobs(get_logits(model, sample_ids, gen_len), sample_ids, gen_len)``: (b, S) ids -> (b, T)
     float32 log-probabilities of the generated tokens, with the unembedding run on exactly the T positions
     that predict them. ``get_logits`` keeps T + 1 positions and ``get_logprobs`` drops the last: that costs
     one more position of the (d_model x V) head and, in a learning step, a copy of the (b, T, V) logits
-    and a zero-filled gradient for the dropped column."""
+    and a zero-filled gradient for the dropped column.
+
+    ``attention_mask`` (b, S): 0 on left padding (prompts of different lengths in one batch); the
+    positions then count from each sequence's first real token, as if it were unpadded."""
     seq_len = sample_ids.shape[1]
     # Position s predicts the token at s + 1. Given as indices, not a slice: indexing copies the (b, T, d)
     # hidden states into one contiguous block, which the unembedding multiplies as a single matrix product;
     # a strided slice of them sends it through a batched product with the weight broadcast per sequence,
     # 2-3x slower forward and backward when the weight is frozen (LoRA).
     predicting = torch.arange(seq_len - gen_len - 1, seq_len - 1, device=sample_ids.device)
-    logits = model(input_ids=sample_ids, logits_to_keep=predicting).logits  # (b, T, V)
+    padding = {}
+    if attention_mask is not None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        padding = {"attention_mask": attention_mask, "position_ids": position_ids}
+    logits = model(input_ids=sample_ids, logits_to_keep=predicting, **padding).logits  # (b, T, V)
     b, T, V = logits.shape
     return selective_log_softmax(logits.reshape(b * T, V), sample_ids[:, -gen_len:].reshape(b * T)).view(b, T)
 
 
 @torch.no_grad()
-def get_logprobs_batched(model: torch.nn.Module, sample_ids: Tensor, gen_len: int, chunk_size: int) -> Tensor:
-    """Log-probabilities (B, T) of the generated tokens under ``model``, ``chunk_size`` sequences at a time."""
+def get_logprobs_batched(
+    model: torch.nn.Module, sample_ids: Tensor, gen_len: int, chunk_size: int, attention_mask: Tensor | None = None
+) -> Tensor:
+    """Log-probabilities (B, T) of the generated tokens under ``model``, ``chunk_size`` sequences at a time
+    (``attention_mask``: see ``generated_logprobs``)."""
+    masks = [None] * len(sample_ids.split(chunk_size)) if attention_mask is None else attention_mask.split(chunk_size)
     chunks = []
-    for chunk in sample_ids.split(chunk_size):
+    for chunk, mask in zip(sample_ids.split(chunk_size), masks):
         stop_point()  # Ctrl-C / SIGTERM stops between chunks
-        chunks.append(generated_logprobs(model, chunk, gen_len))
+        chunks.append(generated_logprobs(model, chunk, gen_len, mask))
     return torch.cat(chunks)
 
 

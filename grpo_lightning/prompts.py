@@ -170,3 +170,11 @@ def _read_dataset_dir(path: Path) -> list:
             raise GRPOConfigError(f"{path}: a DatasetDict without a 'train' split (it has {', '.join(dataset)})")
         dataset = dataset["train"]
     return dataset.to_list()
+
+
+def describe_source(source: PromptSource) -> dict:
+    """A plain-data description (``class_path``/``init_args`` of its public attributes) for hyperparameters
+    and checkpoints, which must hold no pickled objects."""
+    cls = type(source)
+    init_args = {name: value for name, value in vars(source).items() if not name.startswith("_")}
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}

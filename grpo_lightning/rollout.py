@@ -1,0 +1,116 @@
+"""The rollout's sampling: one GRPO group of completions per prompt row, stacked into one batch.
+
+Each group shares one prompt, so it is sampled as one unpadded batch (the KV-cached decoder needs no
+attention mask). Groups of different prompt lengths are then stacked with left padding, so that the
+completions stay the last ``gen_len`` columns, and an attention mask marks the padding; with a single
+prompt (the chapter's run) nothing is padded and the mask is None.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .config import GRPOConfigError
+from .sampling import default_start_token, sample_completions_with_logprobs
+
+
+@dataclass
+class GroupRollout:
+    """What sampling produced for ``len(rows)`` groups of ``group_size`` completions (N = groups x size)."""
+
+    sample_ids: Tensor  # (N, S) prompt + completion ids, prompts left-padded to the longest
+    attention_mask: Tensor | None  # (N, S) 1 for real tokens; None when no prompt was padded
+    logprobs: Tensor  # (N, T) log pi_old of each generated token (0 on padding)
+    entropy: Tensor  # (N, T)
+    completion_mask: Tensor | None  # (N, T) bool, False on padding after an answer ended; None: fixed length
+    completions: list[str]  # (N,) the generated text
+    rows: list[dict]  # (N,) each sample's row (its prompt and other columns)
+
+    @property
+    def samples(self) -> list[str]:
+        """prompt + completion: the strings rewards written for ``score(samples)`` read."""
+        return [row["prompt"] + completion for row, completion in zip(self.rows, self.completions)]
+
+
+def prompt_text(tokenizer, prompt: str, start_token: str | None, chat_template: bool) -> str:
+    """The text the model is asked: the prompt rendered through the tokenizer's chat template as one user
+    turn, ready for the assistant's answer; or (the chapter's way) a start-of-document token + the prompt."""
+    if chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise GRPOConfigError("chat_template is true but this tokenizer has no chat template; set it to false")
+        messages = [{"role": "user", "content": prompt}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return (default_start_token(tokenizer) if start_token is None else start_token) + prompt
+
+
+def prompt_ids(tokenizer, prompt: str, start_token: str | None = None, chat_template: bool = False) -> Tensor:
+    """(1, P) ids of ``prompt_text`` (the template already holds its special tokens: none are added)."""
+    text = prompt_text(tokenizer, prompt, start_token, chat_template)
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False).input_ids
+
+
+def left_pad(sequences: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor | None]:
+    """Stacks (n_i, S_i) id blocks into (sum n_i, max S_i), padding on the left; the mask is None if
+    every block already had the longest length."""
+    longest = max(block.shape[1] for block in sequences)
+    if all(block.shape[1] == longest for block in sequences):
+        return torch.cat(sequences), None
+    ids, masks = [], []
+    for block in sequences:
+        pad = longest - block.shape[1]
+        ids.append(torch.nn.functional.pad(block, (pad, 0), value=pad_id))
+        mask = torch.ones_like(block)
+        masks.append(torch.nn.functional.pad(mask, (pad, 0), value=0))
+    return torch.cat(ids), torch.cat(masks)
+
+
+@torch.no_grad()
+def sample_groups(
+    model: torch.nn.Module,
+    tokenizer,
+    rows: list[dict],
+    group_size: int,
+    gen_len: int,
+    temperature: float = 1.0,
+    start_token: str | None = None,
+    stop_tokens: list[int] | None = None,
+    chat_template: bool = False,
+    max_positions: int | None = None,
+) -> GroupRollout:
+    """``group_size`` completions of each row's prompt, group after group (rows in order)."""
+    device = next(model.parameters()).device
+    blocks, logprobs, entropy, masks, completions, sample_rows = [], [], [], [], [], []
+    for number, row in enumerate(rows, start=1):
+        ids = prompt_ids(tokenizer, row["prompt"], start_token, chat_template).to(device)
+        if max_positions is not None and ids.shape[1] + gen_len > max_positions:
+            raise GRPOConfigError(
+                f"prompt {number} of this phase ({row['prompt'][:40]!r}...) is {ids.shape[1]} tokens: with gen_len "
+                f"{gen_len} it exceeds the model's context of {max_positions}; shorten it or lower gen_len"
+            )
+        sampled = sample_completions_with_logprobs(model, ids.repeat(group_size, 1), gen_len, temperature, stop_tokens)
+        generated = sampled.sample_ids[:, -gen_len:]
+        if sampled.completion_mask is None:
+            texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+        else:
+            texts = tokenizer.batch_decode([g[m].tolist() for g, m in zip(generated, sampled.completion_mask)],
+                                           skip_special_tokens=True)  # fmt: skip
+        blocks.append(sampled.sample_ids)
+        logprobs.append(sampled.logprobs)
+        entropy.append(sampled.entropy)
+        masks.append(sampled.completion_mask)
+        completions.extend(texts)
+        sample_rows.extend([row] * group_size)
+    pad_id = stop_tokens[0] if stop_tokens else (tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
+    sample_ids, attention_mask = left_pad(blocks, pad_id)
+    return GroupRollout(
+        sample_ids=sample_ids,
+        attention_mask=attention_mask,
+        logprobs=torch.cat(logprobs),
+        entropy=torch.cat(entropy),
+        completion_mask=None if masks[0] is None else torch.cat(masks),
+        completions=completions,
+        rows=sample_rows,
+    )
