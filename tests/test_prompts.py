@@ -166,3 +166,13 @@ def test_prompt_settings_are_checked(tiny_model_dir):
         make_module(tiny_model_dir, prompts_per_phase=2)
     with pytest.raises(GRPOConfigError, match=r"batch_size x prompts_per_phase \(3 x 3\) must be divisible by num_minibatches \(2\)"):
         make_module(tiny_model_dir, prompts=PromptList(ROWS), prompts_per_phase=3, batch_size=3, num_minibatches=2)
+
+
+def test_parquet_files_and_dataset_directories_give_the_same_rows(tmp_path):
+    datasets = pytest.importorskip("datasets")  # installed by the dev extras, so CI runs this
+    dataset = datasets.Dataset.from_list(ROWS)
+    dataset.to_parquet(str(tmp_path / "p.parquet"))
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": dataset}).save_to_disk(str(tmp_path / "splits"))
+    for path in ("p.parquet", "saved", "splits"):
+        assert PromptFile(str(tmp_path / path)).all_rows() == ROWS, path
