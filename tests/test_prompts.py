@@ -176,3 +176,23 @@ def test_parquet_files_and_dataset_directories_give_the_same_rows(tmp_path):
     datasets.DatasetDict({"train": dataset}).save_to_disk(str(tmp_path / "splits"))
     for path in ("p.parquet", "saved", "splits"):
         assert PromptFile(str(tmp_path / path)).all_rows() == ROWS, path
+
+
+def test_the_readme_examples_of_rewards_that_read_the_row_work():
+    import os
+    import re
+
+    from rewards import Reward
+    from rewards.base import call_reward
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", readme, re.S) if "class ExactNumber" in block)
+    scope = {"Reward": Reward, "torch": torch}
+    exec(code, scope)
+    rows = [{"prompt": "What is 7 + 5?", "answer": "12"}] * 2
+    completions = [" 12", " twelve, I think"]
+    samples = [r["prompt"] + c for r, c in zip(rows, completions)]
+    assert call_reward(scope["ExactNumber"](), samples, completions, rows).tolist() == [1.0, 0.0]
+    assert call_reward(scope["answer_length"], samples, completions, rows).tolist() == [1.0, 0.0]
+    with pytest.raises(TypeError, match="reads each sample's row"):
+        scope["ExactNumber"]()(samples)  # no rows: said, not guessed
