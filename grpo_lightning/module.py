@@ -58,7 +58,7 @@ from .reporting import phase_line, render_console_table, render_markdown_table
 from .reward_checks import score_samples
 from .rollout_stats import importance_ratio_stats
 from .prompts import PromptSource, describe_source
-from .rollout import prompt_text, sample_groups
+from .rollout import Group, flat_groups, pad_token_id, prompt_text, refill_seed, sample_group_of, stack_groups
 from .sampling import default_start_token, encode_prompt, stop_token_ids
 
 
@@ -97,6 +97,7 @@ class GRPOModule(L.LightningModule):
         start_token: str | None = None,
         prompts: PromptSource | None = None,
         prompts_per_phase: int = 1,
+        refill_flat_groups: int = 0,
         chat_template: bool = False,
         total_phases: int = 100,
         batch_size: int = 128,
@@ -140,6 +141,9 @@ class GRPOModule(L.LightningModule):
                 rows (which ones depends on the seed and the phase only) and samples ``batch_size``
                 completions of each: one group per prompt, advantages normalised within each group.
             prompts_per_phase: prompts (groups) per phase, with ``prompts``.
+            refill_flat_groups: dynamic sampling, with ``prompts``: rounds of replacing each group whose
+                rewards are all equal (zero advantages, no signal) by a group of a newly drawn prompt;
+                0 (default) keeps them. ``rollout/refilled_groups`` counts the replacements.
             chat_template: render each prompt through the tokenizer's chat template as a user turn (how
                 instruct models are meant to be asked) instead of start_token + prompt.
             total_phases: phases to train (a phase = rollout + learning = one epoch).
@@ -209,6 +213,10 @@ class GRPOModule(L.LightningModule):
             reward.requires_grad_(False).eval()
         if prompts_per_phase < 1:
             raise GRPOConfigError(f"prompts_per_phase ({prompts_per_phase}) must be at least 1")
+        if refill_flat_groups < 0 or (refill_flat_groups and prompts is None):
+            raise GRPOConfigError(
+                f"refill_flat_groups ({refill_flat_groups}) must be >= 0, and needs prompts to draw new ones from"
+            )
         if prompts is None and prompts_per_phase > 1:
             raise GRPOConfigError(
                 f"prompts_per_phase ({prompts_per_phase}) needs prompts to draw from: set model.prompts, "
@@ -230,6 +238,7 @@ class GRPOModule(L.LightningModule):
         self.start_token = start_token
         self.prompts = prompts
         self.prompts_per_phase = prompts_per_phase
+        self.refill_rounds = refill_flat_groups
         self.chat_template = chat_template
         self.kl_estimator = kl_estimator
         self.stop_at_eos = stop_at_eos
@@ -430,17 +439,49 @@ class GRPOModule(L.LightningModule):
             return torch.autocast(lightning_autocast.device, dtype=lightning_autocast.fast_dtype, cache_enabled=True)
         return plugin.forward_context()
 
+    def sample_groups(self, rows: list[dict]) -> list[Group]:
+        args = self.args
+        with self.timer.measure("generate"):
+            return [
+                sample_group_of(self.policy, self.tokenizer, row, args.batch_size, args.gen_len, args.temperature,
+                                self.start_token, self.stop_tokens, self.chat_template, self.max_positions)
+                for row in rows
+            ]  # fmt: skip
+
+    def score_groups(self, groups: list[Group]) -> Tensor:
+        batch = stack_groups(groups, pad_token_id(self.tokenizer, self.stop_tokens))
+        with self.timer.measure("score"):
+            return score_samples(self.reward, batch.samples, batch.completions, batch.rows)
+
+    def refill_flat_groups(self, groups: list[Group], rewards: Tensor) -> tuple[list[Group], Tensor, int]:
+        """Dynamic sampling: a group whose rewards are all equal has zero advantages and teaches nothing;
+        it is replaced by a group of a newly drawn prompt, for up to ``refill_flat_groups`` rounds (the
+        new prompts come from a stream of their own, fixed by the seed, the phase and the round)."""
+        refilled, size = 0, self.args.batch_size
+        for round_ in range(1, self.refill_rounds + 1):
+            flat = flat_groups(rewards, size)
+            if not flat:
+                break
+            rows = self.prompts.draw(refill_seed(self.args.seed, round_), self.current_epoch, len(flat))
+            new_groups = self.sample_groups(rows)
+            new_rewards = self.score_groups(new_groups).view(-1, size)
+            rewards = rewards.clone()
+            for slot, group, values in zip(flat, new_groups, new_rewards):
+                groups[slot] = group
+                rewards[slot * size : (slot + 1) * size] = values
+            refilled += len(flat)
+        return groups, rewards, refilled
+
     def rollout_phase(self) -> ReplayMemory:
         args, timer = self.args, self.timer
-        with timer.measure("generate"):
-            sampled = sample_groups(
-                self.policy, self.tokenizer, self.draw_rows(), args.batch_size, args.gen_len, args.temperature,
-                self.start_token, self.stop_tokens, self.chat_template, self.max_positions,
-            )  # fmt: skip
+        groups = self.sample_groups(self.draw_rows())
+        rewards = self.score_groups(groups)
+        refilled = 0
+        if self.refill_rounds:
+            groups, rewards, refilled = self.refill_flat_groups(groups, rewards)
+        sampled = stack_groups(groups, pad_token_id(self.tokenizer, self.stop_tokens))
         sample_ids, mask, padding = sampled.sample_ids, sampled.completion_mask, sampled.attention_mask
         samples = sampled.samples
-        with timer.measure("score"):
-            rewards = score_samples(self.reward, samples, sampled.completions, sampled.rows)
         logprobs = sampled.logprobs
         if self.recompute_old_logprobs:
             with timer.measure("old_logprobs"):
@@ -471,6 +512,8 @@ class GRPOModule(L.LightningModule):
             completion_mask=mask,
         )
         self.log_rollout(record)
+        if self.refill_rounds:
+            self.log("rollout/refilled_groups", float(refilled), on_step=False, on_epoch=True, batch_size=1)
         if ref_logprobs is None:  # kl_coef=0: the KL term is skipped, these zeros are never read
             ref_logprobs = torch.zeros_like(logprobs)
         return ReplayMemory(

@@ -67,11 +67,23 @@ def left_pad(sequences: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor | Non
     return torch.cat(ids), torch.cat(masks)
 
 
+@dataclass
+class Group:
+    """One prompt's group: ``group_size`` completions of ``row["prompt"]``, unpadded."""
+
+    row: dict
+    sample_ids: Tensor  # (G, P + T)
+    logprobs: Tensor  # (G, T)
+    entropy: Tensor  # (G, T)
+    completion_mask: Tensor | None  # (G, T)
+    completions: list[str]
+
+
 @torch.no_grad()
-def sample_groups(
+def sample_group_of(
     model: torch.nn.Module,
     tokenizer,
-    rows: list[dict],
+    row: dict,
     group_size: int,
     gen_len: int,
     temperature: float = 1.0,
@@ -79,38 +91,51 @@ def sample_groups(
     stop_tokens: list[int] | None = None,
     chat_template: bool = False,
     max_positions: int | None = None,
-) -> GroupRollout:
-    """``group_size`` completions of each row's prompt, group after group (rows in order)."""
+) -> Group:
+    """``group_size`` completions of ``row``'s prompt."""
     device = next(model.parameters()).device
-    blocks, logprobs, entropy, masks, completions, sample_rows = [], [], [], [], [], []
-    for number, row in enumerate(rows, start=1):
-        ids = prompt_ids(tokenizer, row["prompt"], start_token, chat_template).to(device)
-        if max_positions is not None and ids.shape[1] + gen_len > max_positions:
-            raise GRPOConfigError(
-                f"prompt {number} of this phase ({row['prompt'][:40]!r}...) is {ids.shape[1]} tokens: with gen_len "
-                f"{gen_len} it exceeds the model's context of {max_positions}; shorten it or lower gen_len"
-            )
-        sampled = sample_completions_with_logprobs(model, ids.repeat(group_size, 1), gen_len, temperature, stop_tokens)
-        generated = sampled.sample_ids[:, -gen_len:]
-        if sampled.completion_mask is None:
-            texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-        else:
-            texts = tokenizer.batch_decode([g[m].tolist() for g, m in zip(generated, sampled.completion_mask)],
-                                           skip_special_tokens=True)  # fmt: skip
-        blocks.append(sampled.sample_ids)
-        logprobs.append(sampled.logprobs)
-        entropy.append(sampled.entropy)
-        masks.append(sampled.completion_mask)
-        completions.extend(texts)
-        sample_rows.extend([row] * group_size)
-    pad_id = stop_tokens[0] if stop_tokens else (tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
-    sample_ids, attention_mask = left_pad(blocks, pad_id)
+    ids = prompt_ids(tokenizer, row["prompt"], start_token, chat_template).to(device)
+    if max_positions is not None and ids.shape[1] + gen_len > max_positions:
+        raise GRPOConfigError(
+            f"the prompt {row['prompt'][:40]!r}... is {ids.shape[1]} tokens: with gen_len {gen_len} it exceeds the "
+            f"model's context of {max_positions}; shorten it or lower gen_len"
+        )
+    sampled = sample_completions_with_logprobs(model, ids.repeat(group_size, 1), gen_len, temperature, stop_tokens)
+    generated = sampled.sample_ids[:, -gen_len:]
+    if sampled.completion_mask is None:
+        texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+    else:
+        texts = tokenizer.batch_decode([g[m].tolist() for g, m in zip(generated, sampled.completion_mask)],
+                                       skip_special_tokens=True)  # fmt: skip
+    return Group(row, sampled.sample_ids, sampled.logprobs, sampled.entropy, sampled.completion_mask, texts)
+
+
+def stack_groups(groups: list[Group], pad_id: int) -> GroupRollout:
+    """The groups as one batch, in order, prompts left-padded to the longest."""
+    sample_ids, attention_mask = left_pad([group.sample_ids for group in groups], pad_id)
+    masks = [group.completion_mask for group in groups]
     return GroupRollout(
         sample_ids=sample_ids,
         attention_mask=attention_mask,
-        logprobs=torch.cat(logprobs),
-        entropy=torch.cat(entropy),
+        logprobs=torch.cat([group.logprobs for group in groups]),
+        entropy=torch.cat([group.entropy for group in groups]),
         completion_mask=None if masks[0] is None else torch.cat(masks),
-        completions=completions,
-        rows=sample_rows,
+        completions=[text for group in groups for text in group.completions],
+        rows=[group.row for group in groups for _ in group.completions],
     )
+
+
+def pad_token_id(tokenizer, stop_tokens: list[int] | None) -> int:
+    return stop_tokens[0] if stop_tokens else (tokenizer.pad_token_id or tokenizer.eos_token_id or 0)
+
+
+def flat_groups(rewards: Tensor, group_size: int) -> list[int]:
+    """Indices of the groups whose rewards are all equal: their advantages are all zero, no signal."""
+    groups = rewards.view(-1, group_size)
+    return [int(i) for i in torch.nonzero((groups == groups[:, :1]).all(dim=1)).flatten()]
+
+
+def refill_seed(seed: int, round_: int) -> int:
+    """The seed of the prompts drawn to replace flat groups, in refill round ``round_`` (1, 2, ...): its own
+    stream, so refills never change which prompts the phase drew first."""
+    return (seed * 1_000_003 + round_ * 104_729 + 5) % (2**63)

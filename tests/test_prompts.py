@@ -196,3 +196,48 @@ def test_the_readme_examples_of_rewards_that_read_the_row_work():
     assert call_reward(scope["answer_length"], samples, completions, rows).tolist() == [1.0, 0.0]
     with pytest.raises(TypeError, match="reads each sample's row"):
         scope["ExactNumber"]()(samples)  # no rows: said, not guessed
+
+
+def flat_or_ranked(samples, completions, rows):
+    """0 for every sample of a "flat" row (a group without signal); the sample's place in its group of 4 otherwise."""
+    return torch.tensor([0.0 if row["answer"] == "flat" else float(i % 4) for i, row in enumerate(rows)])
+
+
+class LoggedRefills(L.Callback):
+    def __init__(self):
+        self.refilled, self.zero = [], []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        self.refilled.append(float(trainer.callback_metrics["rollout/refilled_groups"]))
+        self.zero.append(float(trainer.callback_metrics["rollout/zero_advantage_groups"]))
+
+
+def test_dynamic_sampling_replaces_flat_groups_by_new_prompts(tiny_model_dir, tmp_path):
+    from grpo_lightning.rollout import refill_seed
+
+    rows = [{"prompt": f"flat {i}", "answer": "flat"} for i in range(3)] + [{"prompt": f"p {i}", "answer": "x"} for i in range(3)]
+    source, logged = PromptList(rows), LoggedRefills()
+    grpo = make_module(tiny_model_dir, reward=flat_or_ranked, prompts=source, prompts_per_phase=2, batch_size=4,
+                       num_minibatches=2, gen_len=3, total_phases=3, refill_flat_groups=2)  # fmt: skip
+    trainer = L.Trainer(max_epochs=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+                        callbacks=[logged])  # fmt: skip
+    trainer.fit(grpo)
+    for phase in range(3):  # what the draws say, by hand: flat groups are replaced up to twice
+        drawn = source.draw(grpo.args.seed, phase, 2)
+        flat = [i for i, row in enumerate(drawn) if row["answer"] == "flat"]
+        refilled = 0
+        for round_ in (1, 2):
+            if not flat:
+                break
+            refilled += len(flat)
+            new = source.draw(refill_seed(grpo.args.seed, round_), phase, len(flat))
+            flat = [slot for slot, row in zip(flat, new) if row["answer"] == "flat"]
+        assert logged.refilled[phase] == refilled
+        assert logged.zero[phase] == len(flat) / 2
+    assert sum(logged.refilled) > 0  # the draws did hit flat rows: the test exercised the refill
+
+
+def test_dynamic_sampling_needs_prompts(tiny_model_dir):
+    with pytest.raises(GRPOConfigError, match=r"refill_flat_groups \(1\) must be >= 0, and needs prompts"):
+        make_module(tiny_model_dir, refill_flat_groups=1)
