@@ -92,3 +92,34 @@ def validate_args(args: GRPO_Args) -> None:
         isinstance(args.prompt, str) and args.prompt.strip() != "",
         "prompt must be a non-empty string (it is what every completion continues)",
     )
+
+
+def validate_module_settings(
+    *, kl_estimator: str, clip_coef_high: float | None, samples_shown: int, max_nonfinite_steps: int,
+    has_prompts: bool, prompts_per_phase: int, refill_flat_groups: int, batch_size: int, num_minibatches: int,
+) -> None:  # fmt: skip
+    """The GRPOModule settings beyond the chapter's ``GRPO_Args``; raises GRPOConfigError naming the first
+    that cannot work."""
+    from .kl import KL_ESTIMATORS
+
+    if clip_coef_high is not None and clip_coef_high <= 0:
+        raise GRPOConfigError(f"clip_coef_high ({clip_coef_high}) must be > 0 (or null for clip_coef)")
+    if kl_estimator not in KL_ESTIMATORS:
+        raise GRPOConfigError(f"kl_estimator ({kl_estimator!r}) must be one of {', '.join(map(repr, KL_ESTIMATORS))}")
+    _require(samples_shown >= 0, f"samples_shown ({samples_shown}) must be >= 0")
+    _require(max_nonfinite_steps >= 1, f"max_nonfinite_steps ({max_nonfinite_steps}) must be at least 1")
+    _require(prompts_per_phase >= 1, f"prompts_per_phase ({prompts_per_phase}) must be at least 1")
+    _require(
+        refill_flat_groups >= 0 and (has_prompts or not refill_flat_groups),
+        f"refill_flat_groups ({refill_flat_groups}) must be >= 0, and needs prompts to draw new ones from",
+    )
+    _require(
+        has_prompts or prompts_per_phase == 1,
+        f"prompts_per_phase ({prompts_per_phase}) needs prompts to draw from: set model.prompts, "
+        "or leave prompts_per_phase at 1 for the single prompt",
+    )
+    _require(
+        prompts_per_phase == 1 or (batch_size * prompts_per_phase) % num_minibatches == 0,
+        f"batch_size x prompts_per_phase ({batch_size} x {prompts_per_phase}) must be divisible by "
+        f"num_minibatches ({num_minibatches})",
+    )

@@ -28,9 +28,9 @@ from rewards import CharCount, Reward
 from rewards.base import describe_reward, prepare_reward
 
 from .activation_checkpointing import enable_activation_checkpointing, flag_checkpointed_layers
-from .config import GRPO_Args, GRPOConfigError
-from .kl import KL_ESTIMATORS, kl_in_reward, kl_loss_penalty, kl_loss_terms
-from .losses import group_advantages, kl_objective, surrogate_objective
+from .config import GRPO_Args, GRPOConfigError, validate_module_settings
+from .kl import kl_loss_penalty, kl_loss_terms
+from .losses import kl_objective, surrogate_objective
 from .losses import loss_variant as loss_variant_named
 from .lora import LoraSettings, apply_lora
 from .machine import competing_processes, cpu_contention_warning, fit_threads_to_cpus
@@ -47,7 +47,6 @@ from .models import (
 from .objectives import (
     calc_clipped_surrogate_objective,
     clip_fraction,
-    compute_grpo_advantages,
     generated_logprobs,
     get_logprobs_batched,
 )
@@ -55,10 +54,10 @@ from .optim import get_optimizer_and_scheduler
 from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen_keys
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
-from .reward_checks import score_samples
 from .rollout_stats import importance_ratio_stats
 from .prompts import PromptSource, describe_source
-from .rollout import Group, flat_groups, pad_token_id, prompt_text, refill_seed, sample_group_of, stack_groups
+from .rollout import prompt_text
+from .rollout_phase import run_rollout
 from .sampling import default_start_token, encode_prompt, stop_token_ids
 
 
@@ -199,34 +198,16 @@ class GRPOModule(L.LightningModule):
         super().__init__()
         check_model_name(model_name_or_path)
         self.variant = loss_variant_named(loss_variant)
-        if clip_coef_high is not None and clip_coef_high <= 0:
-            raise GRPOConfigError(f"clip_coef_high ({clip_coef_high}) must be > 0 (or null for clip_coef)")
-        if kl_estimator not in KL_ESTIMATORS:
-            raise GRPOConfigError(f"kl_estimator ({kl_estimator!r}) must be one of {', '.join(map(repr, KL_ESTIMATORS))}")
-        if samples_shown < 0:
-            raise GRPOConfigError(f"samples_shown ({samples_shown}) must be >= 0")
-        if max_nonfinite_steps < 1:
-            raise GRPOConfigError(f"max_nonfinite_steps ({max_nonfinite_steps}) must be at least 1")
         if reward is None:
             reward = CharCount(".")
         if isinstance(reward, torch.nn.Module):  # a reward model: a child, so Lightning places it; never trained
             reward.requires_grad_(False).eval()
-        if prompts_per_phase < 1:
-            raise GRPOConfigError(f"prompts_per_phase ({prompts_per_phase}) must be at least 1")
-        if refill_flat_groups < 0 or (refill_flat_groups and prompts is None):
-            raise GRPOConfigError(
-                f"refill_flat_groups ({refill_flat_groups}) must be >= 0, and needs prompts to draw new ones from"
-            )
-        if prompts is None and prompts_per_phase > 1:
-            raise GRPOConfigError(
-                f"prompts_per_phase ({prompts_per_phase}) needs prompts to draw from: set model.prompts, "
-                "or leave prompts_per_phase at 1 for the single prompt"
-            )
-        if prompts_per_phase > 1 and (batch_size * prompts_per_phase) % num_minibatches:
-            raise GRPOConfigError(
-                f"batch_size x prompts_per_phase ({batch_size} x {prompts_per_phase}) must be divisible by "
-                f"num_minibatches ({num_minibatches})"
-            )
+        validate_module_settings(
+            kl_estimator=kl_estimator, clip_coef_high=clip_coef_high, samples_shown=samples_shown,
+            max_nonfinite_steps=max_nonfinite_steps, has_prompts=prompts is not None,
+            prompts_per_phase=prompts_per_phase, refill_flat_groups=refill_flat_groups, batch_size=batch_size,
+            num_minibatches=num_minibatches,
+        )  # fmt: skip
         self.args = GRPO_Args(
             seed=seed, total_phases=total_phases, prompt=prompt, batch_size=batch_size,
             num_minibatches=num_minibatches, batches_per_learning_phase=batches_per_learning_phase,
@@ -439,86 +420,14 @@ class GRPOModule(L.LightningModule):
             return torch.autocast(lightning_autocast.device, dtype=lightning_autocast.fast_dtype, cache_enabled=True)
         return plugin.forward_context()
 
-    def sample_groups(self, rows: list[dict]) -> list[Group]:
-        args = self.args
-        with self.timer.measure("generate"):
-            return [
-                sample_group_of(self.policy, self.tokenizer, row, args.batch_size, args.gen_len, args.temperature,
-                                self.start_token, self.stop_tokens, self.chat_template, self.max_positions)
-                for row in rows
-            ]  # fmt: skip
-
-    def score_groups(self, groups: list[Group]) -> Tensor:
-        batch = stack_groups(groups, pad_token_id(self.tokenizer, self.stop_tokens))
-        with self.timer.measure("score"):
-            return score_samples(self.reward, batch.samples, batch.completions, batch.rows)
-
-    def refill_flat_groups(self, groups: list[Group], rewards: Tensor) -> tuple[list[Group], Tensor, int]:
-        """Dynamic sampling: a group whose rewards are all equal has zero advantages and teaches nothing;
-        it is replaced by a group of a newly drawn prompt, for up to ``refill_flat_groups`` rounds (the
-        new prompts come from a stream of their own, fixed by the seed, the phase and the round)."""
-        refilled, size = 0, self.args.batch_size
-        for round_ in range(1, self.refill_rounds + 1):
-            flat = flat_groups(rewards, size)
-            if not flat:
-                break
-            rows = self.prompts.draw(refill_seed(self.args.seed, round_), self.current_epoch, len(flat))
-            new_groups = self.sample_groups(rows)
-            new_rewards = self.score_groups(new_groups).view(-1, size)
-            rewards = rewards.clone()
-            for slot, group, values in zip(flat, new_groups, new_rewards):
-                groups[slot] = group
-                rewards[slot * size : (slot + 1) * size] = values
-            refilled += len(flat)
-        return groups, rewards, refilled
-
     def rollout_phase(self) -> ReplayMemory:
-        args, timer = self.args, self.timer
-        groups = self.sample_groups(self.draw_rows())
-        rewards = self.score_groups(groups)
-        refilled = 0
-        if self.refill_rounds:
-            groups, rewards, refilled = self.refill_flat_groups(groups, rewards)
-        sampled = stack_groups(groups, pad_token_id(self.tokenizer, self.stop_tokens))
-        sample_ids, mask, padding = sampled.sample_ids, sampled.completion_mask, sampled.attention_mask
-        samples = sampled.samples
-        logprobs = sampled.logprobs
-        if self.recompute_old_logprobs:
-            with timer.measure("old_logprobs"):
-                chunk = self.phase_args.minibatch_size
-                logprobs = get_logprobs_batched(self.policy, sample_ids, args.gen_len, chunk, padding)
-        with timer.measure("ref_logprobs"):
-            ref_logprobs = self.get_ref_logprobs(sample_ids, padding)
-        if mask is not None:  # padding after an answer ended: 0, so that sums over tokens skip it
-            logprobs = logprobs * mask
-            ref_logprobs = None if ref_logprobs is None else ref_logprobs * mask
-        scored_rewards = rewards.to(self.device)
-        if self.kl_estimator == "k1_reward" and ref_logprobs is not None:
-            scored_rewards = kl_in_reward(scored_rewards, logprobs, ref_logprobs, args.kl_coef)
-        if self.prompts is None and self.variant.scale_by_std:
-            advantages = compute_grpo_advantages(scored_rewards)  # the chapter's: one group
-        else:  # one group per prompt, never across groups; Dr. GRPO: centred only
-            advantages = group_advantages(scored_rewards, args.batch_size, scale_by_std=self.variant.scale_by_std)
-        completion_ids = sample_ids[:, -args.gen_len :]
-        record = RolloutRecord(
-            samples=samples,
-            completions=sampled.completions,
-            completion_ids=completion_ids,
-            rewards=rewards,
-            advantages=advantages,
-            entropy=sampled.entropy,
-            logprobs=logprobs,
-            ref_logprobs=ref_logprobs,
-            completion_mask=mask,
-        )
+        """Sample, score and measure this phase's groups (``grpo_lightning.rollout_phase``), report them,
+        and keep them in the replay memory for the learning phase."""
+        memory, record, refilled = run_rollout(self)
         self.log_rollout(record)
         if self.refill_rounds:
             self.log("rollout/refilled_groups", float(refilled), on_step=False, on_epoch=True, batch_size=1)
-        if ref_logprobs is None:  # kl_coef=0: the KL term is skipped, these zeros are never read
-            ref_logprobs = torch.zeros_like(logprobs)
-        return ReplayMemory(
-            self.phase_args, sample_ids, logprobs, ref_logprobs, advantages, completion_mask=mask, attention_mask=padding
-        )
+        return memory
 
     def log_rollout(self, record: RolloutRecord) -> None:
         scalars = rollout_scalars(record, group_size=self.args.batch_size)  # one prompt: one group

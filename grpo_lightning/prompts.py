@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import csv
 import json
-from abc import ABC, abstractmethod
+from abc import ABC
 from pathlib import Path
 from typing import Any
 
