@@ -19,10 +19,12 @@ from .objectives import (
 from .optim import get_optimizer_and_scheduler
 from .reward_checks import RewardError
 from .sampling import get_samples
+from .tasks import ArithmeticProblems
 
 __all__ = [
     "GRPOModule", "GRPO_Args", "GRPOError", "GRPOConfigError", "ModelLoadError", "RewardError",
     "ReplayMinibatch", "ReplayMemory", "ReplayDataset", "get_samples", "compute_grpo_advantages",
     "get_logprobs", "get_logits", "get_logprobs_batched", "calc_kl_penalty_naive", "calc_kl_penalty",
     "calc_clipped_surrogate_objective", "get_optimizer_and_scheduler", "load_causal_lm", "load_tokenizer",
+    "ArithmeticProblems",
 ]  # fmt: skip

@@ -7,17 +7,20 @@ any plain function ``reward_fn(samples) -> Tensor`` works too. Built in:
   character) and ``CharFrequency`` (count per character of the sample), the last two resisting
   the multi-period-token hack;
 * ``SentimentClassifier`` (any Hugging Face sequence classifier) and ``VaderSentiment`` (offline);
+* ``ExactAnswer``: 1 where the completion's last number is the row's answer (a verifiable task,
+  with ``grpo_lightning.tasks.ArithmeticProblems``);
 * ``WeightedSum`` of rewards.
 """
 
 from .base import Reward, RewardModule, describe_reward, prepare_reward, reward_name
 from .char_count import CharCount, CharFrequency, reward_fn_char_count
 from .char_tokens import CharTokenCount
+from .exact_answer import ExactAnswer
 from .sentiment import SentimentClassifier
 from .vader import VaderSentiment
 from .weighted_sum import WeightedSum
 
 __all__ = [
-    "Reward", "RewardModule", "CharCount", "CharTokenCount", "CharFrequency", "SentimentClassifier",
+    "Reward", "RewardModule", "CharCount", "CharTokenCount", "CharFrequency", "ExactAnswer", "SentimentClassifier",
     "VaderSentiment", "WeightedSum", "reward_fn_char_count", "reward_name", "describe_reward", "prepare_reward",
 ]  # fmt: skip

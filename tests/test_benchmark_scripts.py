@@ -70,3 +70,18 @@ def test_comparison_rows_pair_workloads_and_use_the_best_peak_for_both_limits():
            {"workload": "default", "mean_s": {"total": 99.0}, "gflop_per_phase": {}, "matmul_peak_gflops_per_s": {"fp32": 1.0}}]
     # peak 100 GFLOP/s: ours 500 GFLOP -> 5 s, TRL 700 GFLOP -> 7 s; "default" has no run of ours
     assert comparison_rows(ours, trl) == [["small", "full", "32-true", "10.0", "5.0", "2.00", "25.0", "7.0", "3.57", "2.50"]]
+
+
+def test_arithmetic_baseline_runs_end_to_end(tiny_model_dir, tmp_path, capsys):
+    import json
+
+    from benchmarks.arithmetic_baseline import main
+
+    out = tmp_path / "baseline.json"
+    main(["--model", tiny_model_dir, "--kinds", "add1,mixed", "--heldout-size", "6", "--max-new-tokens", "3", "--out", str(out)])
+    results = json.loads(out.read_text())["results"]
+    assert [r["kind"] for r in results] == ["add1", "mixed"] and all(r["problems"] == 6 for r in results)
+    for result in results:
+        assert result["correct"] == sum(c["reward"] for c in result["completions"])
+        assert result["accuracy"] == result["correct"] / 6
+    assert "add1: " in capsys.readouterr().out
