@@ -1,7 +1,8 @@
 """``grpo-lightning fit --config experiments/quickstart.yaml``: LightningCLI over GRPOModule.
 
-``grpo-lightning diagnose ...`` is a separate argparse command (``grpo_lightning.diagnostics``),
-dispatched before LightningCLI is built.
+``grpo-lightning diagnose ...`` and ``grpo-lightning label ...`` are separate argparse commands
+(``grpo_lightning.diagnostics``, ``grpo_lightning.label``), and ``grpo-lightning reward-model fit ...``
+a LightningCLI of its own (``grpo_lightning.reward_model``), all dispatched before this one is built.
 
 Settings errors end in one line (``error: ...``) instead of a usage dump or a traceback.
 """
@@ -120,13 +121,18 @@ def make_cli(args=None, run: bool = True) -> GRPOLightningCLI:
 
 def main(args=None) -> int | None:
     argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == ["diagnose"]:
+    if argv[:1] in (["diagnose"], ["label"]):  # argparse commands of their own
         from .diagnostics import main as diagnose
+        from .label import main as label
 
-        code = diagnose(argv[1:])
+        code = (diagnose if argv[0] == "diagnose" else label)(argv[1:])
         if code:
             sys.exit(code)
         return code
+    if argv[:1] == ["reward-model"]:  # a LightningCLI of its own (grpo_lightning.reward_model)
+        from .reward_model import main as reward_model
+
+        return reward_model(argv[1:])
     STOP.install()
     try:
         make_cli(args)
