@@ -222,7 +222,8 @@ class RewardModelModule(L.LightningModule):
         return loss
 
     def training_step(self, batch, batch_idx: int) -> Tensor:
-        # train(): dropout on where the backbone has any (Llama has none), as a supervised model trains.
+        # The backbone stays in the eval mode from_pretrained left it in (Lightning keeps a module's mode):
+        # no dropout, so a pair's rewards are the same function in training, validation and as a reward.
         return self._pair_step(batch, "train")
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -313,12 +314,15 @@ def main(argv: list[str]) -> int:
     from .cli import _one_line, _project_error
     from .config import GRPOError
 
+    program, sys.argv = sys.argv, [sys.argv[0], *argv]  # what LightningCLI reads: no "reward-model" in it
     try:
-        make_reward_model_cli(argv)
+        make_reward_model_cli()
     except (GRPOError, ArgumentError, ValueError) as error:
         own = _project_error(error)
         if own is None and not isinstance(error, ArgumentError):
             raise
         print(f"error: {_one_line(own or error)}", file=sys.stderr)
         sys.exit(2 if own is None or isinstance(own, GRPOConfigError) else 1)
+    finally:
+        sys.argv = program
     return 0

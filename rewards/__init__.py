@@ -7,17 +7,19 @@ any plain function ``reward_fn(samples) -> Tensor`` works too. Built in:
   character) and ``CharFrequency`` (count per character of the sample), the last two resisting
   the multi-period-token hack;
 * ``SentimentClassifier`` (any Hugging Face sequence classifier) and ``VaderSentiment`` (offline);
-* ``WeightedSum`` of rewards.
+* ``WeightedSum`` of rewards;
+* ``LearnedReward``: a reward model trained on preferences (``grpo-lightning reward-model fit``).
 """
 
 from .base import Reward, RewardModule, describe_reward, prepare_reward, reward_name
 from .char_count import CharCount, CharFrequency, reward_fn_char_count
 from .char_tokens import CharTokenCount
+from .learned import LearnedReward
 from .sentiment import SentimentClassifier
 from .vader import VaderSentiment
 from .weighted_sum import WeightedSum
 
 __all__ = [
     "Reward", "RewardModule", "CharCount", "CharTokenCount", "CharFrequency", "SentimentClassifier",
-    "VaderSentiment", "WeightedSum", "reward_fn_char_count", "reward_name", "describe_reward", "prepare_reward",
+    "VaderSentiment", "WeightedSum", "LearnedReward", "reward_fn_char_count", "reward_name", "describe_reward", "prepare_reward",
 ]  # fmt: skip
