@@ -60,7 +60,8 @@ def test_unknown_option_is_one_line_too(capsys, no_model_loading):
 @pytest.mark.parametrize("config", EXPERIMENTS, ids=os.path.basename)
 def test_every_experiment_config_parses_and_instantiates(config, no_model_loading, tmp_path):
     # A learned reward names a reward model directory, which only a `reward-model fit` run makes: any directory here.
-    learned = ["--model.reward.model_name_or_path", str(tmp_path)] if "rlhf" in config else []
+    learned = ["--model.reward.init_args.model_name_or_path", str(tmp_path)]
+    learned = learned if os.path.basename(config).startswith("rlhf") else []
     app = cli.make_cli(["--config", config, "--trainer.default_root_dir", str(tmp_path), *learned], run=False)
     args = app.model.args
     assert app.trainer.max_epochs == args.total_phases  # one epoch per phase, linked

@@ -5,6 +5,7 @@ stops with one line naming the file and line, before any model loads."""
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +136,15 @@ def test_bradley_terry_loss_and_split():
     assert sorted(train + val) == list(range(10)) and len(val) == 2
     assert split_pairs(list(range(10)), 0.2, seed=3) == (train, val)  # seeded
     assert split_pairs(list(range(10)), 0.0, seed=3)[1] == []
+
+
+def test_the_experiment_config_parses(tmp_path, monkeypatch):
+    from grpo_lightning.reward_model import make_reward_model_cli
+
+    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
+    config = str(Path(__file__).resolve().parents[1] / "experiments" / "reward_model.yaml")
+    data = write_jsonl(tmp_path / "p.jsonl", period_rule_pairs(10))
+    app = make_reward_model_cli(["--config", config, "--data.path", data, "--trainer.default_root_dir", str(tmp_path)],
+                                run=False)  # fmt: skip
+    assert app.model.hparams.model_name_or_path is None and app.datamodule.model_name_or_path is None  # linked
+    assert len(app.datamodule.train_pairs) == 8 and len(app.datamodule.val_pairs) == 2
