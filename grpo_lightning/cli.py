@@ -1,7 +1,8 @@
 """``grpo-lightning fit --config experiments/quickstart.yaml``: LightningCLI over GRPOModule.
 
-``grpo-lightning diagnose ...`` is a separate argparse command (``grpo_lightning.diagnostics``),
-dispatched before LightningCLI is built.
+``grpo-lightning diagnose ...`` and ``grpo-lightning label ...`` are separate argparse commands
+(``grpo_lightning.diagnostics``, ``grpo_lightning.label``), and ``grpo-lightning reward-model fit ...``
+a LightningCLI of its own (``grpo_lightning.reward_model``), all dispatched before this one is built.
 
 Bad input ends in one line (``error: ...``) instead of a usage dump or a traceback, with exit code 2
 for a usage error (a setting, path, YAML file or context length that cannot work) and 1 for a runtime
@@ -142,13 +143,18 @@ _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EIS
 
 def main(args=None) -> int | None:
     argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == ["diagnose"]:
+    if argv[:1] in (["diagnose"], ["label"]):  # argparse commands of their own
         from .diagnostics import main as diagnose
+        from .label import main as label
 
-        code = diagnose(argv[1:])
+        code = (diagnose if argv[0] == "diagnose" else label)(argv[1:])
         if code:
             sys.exit(code)
         return code
+    if argv[:1] == ["reward-model"]:  # a LightningCLI of its own (grpo_lightning.reward_model)
+        from .reward_model import main as reward_model
+
+        return reward_model(argv[1:])
     # Offline, huggingface_hub logs each of its connection retries; models.py fails at once instead.
     logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
     STOP.install()

@@ -9,18 +9,21 @@ any plain function ``reward_fn(samples) -> Tensor`` works too. Built in:
 * ``SentimentClassifier`` (any Hugging Face sequence classifier) and ``VaderSentiment`` (offline);
 * ``ExactAnswer``: 1 where the completion's last number is the row's answer (a verifiable task,
   with ``grpo_lightning.tasks.ArithmeticProblems``);
-* ``WeightedSum`` of rewards.
+* ``WeightedSum`` of rewards;
+* ``LearnedReward``: a reward model trained on preferences (``grpo-lightning reward-model fit``).
 """
 
 from .base import Reward, RewardModule, describe_reward, prepare_reward, reward_name
 from .char_count import CharCount, CharFrequency, reward_fn_char_count
 from .char_tokens import CharTokenCount
 from .exact_answer import ExactAnswer
+from .learned import LearnedReward
 from .sentiment import SentimentClassifier
 from .vader import VaderSentiment
 from .weighted_sum import WeightedSum
 
 __all__ = [
     "Reward", "RewardModule", "CharCount", "CharTokenCount", "CharFrequency", "ExactAnswer", "SentimentClassifier",
-    "VaderSentiment", "WeightedSum", "reward_fn_char_count", "reward_name", "describe_reward", "prepare_reward",
+    "VaderSentiment", "WeightedSum", "LearnedReward", "reward_fn_char_count", "reward_name", "describe_reward",
+    "prepare_reward",
 ]  # fmt: skip

@@ -75,3 +75,29 @@ def refuse_model_loading(monkeypatch, namespace) -> None:
 
     monkeypatch.setattr(namespace, "load_causal_lm", refuse)
     monkeypatch.setattr(namespace, "load_tokenizer", refuse)
+
+
+# Short texts of the tiny tokenizer's words; the hidden rule: the text with more periods wins.
+RULE_WORDS = (" cat", " dog", " sat", " mat", ".")
+
+
+def period_rule_pairs(n: int, seed: int = 0, words: int = 8) -> list[dict]:
+    """``n`` preference records labelled by the period count (pairs with equal counts are not drawn)."""
+    import random
+
+    rng = random.Random(seed)
+    records = []
+    while len(records) < n:
+        a, b = ("".join(rng.choice(RULE_WORDS) for _ in range(words)) for _ in range(2))
+        if a.count(".") != b.count("."):
+            chosen, rejected = (a, b) if a.count(".") > b.count(".") else (b, a)
+            records.append({"prompt": "The", "chosen": chosen, "rejected": rejected})
+    return records
+
+
+def write_jsonl(path, records: list[dict]) -> str:
+    import json
+
+    with open(path, "w", encoding="utf-8") as file:
+        file.writelines(json.dumps(record) + "\n" for record in records)
+    return str(path)

@@ -86,6 +86,21 @@ def make_cli(args, tmp_path):
     return cli.make_cli([*args, "--trainer.default_root_dir", str(tmp_path)], run=False)
 
 
+def experiment_cli(config: str, tmp_path):
+    """The CLI a config belongs to, parsed: reward_model.yaml is `reward-model fit`'s (given a preference file);
+    rlhf_policy.yaml names a reward model directory, which only a `reward-model fit` run makes (any directory here)."""
+    name = os.path.basename(config)
+    if name == "reward_model.yaml":
+        from conftest import period_rule_pairs, write_jsonl
+        from grpo_lightning.reward_model import make_reward_model_cli
+
+        data = write_jsonl(tmp_path / "prefs.jsonl", period_rule_pairs(4))
+        return make_reward_model_cli(["--config", config, "--data.path", data, "--trainer.default_root_dir",
+                                      str(tmp_path)], run=False)  # fmt: skip
+    learned = ["--model.reward.init_args.model_name_or_path", str(tmp_path)] if name.startswith("rlhf") else []
+    return make_cli(["--config", config, *learned], tmp_path)
+
+
 @pytest.fixture
 def no_model_loading(monkeypatch):
     refuse_model_loading(monkeypatch, module)
@@ -117,7 +132,7 @@ def test_an_explicit_precision_is_kept_silently_where_it_is_fast(monkeypatch, on
 @pytest.mark.parametrize("config", EXPERIMENTS, ids=os.path.basename)
 def test_every_config_resolves_to_the_fast_precision_of_this_machine(no_model_loading, tmp_path, capsys, config):
     """No config pins a precision: each gets this machine's default, never bf16 on a CPU that would emulate it."""
-    chosen = make_cli(["--config", config], tmp_path).trainer.precision
+    chosen = experiment_cli(config, tmp_path).trainer.precision
     device = precision.resolve_accelerator("auto")
     assert chosen == precision.choose_precision(device)[0]
     assert precision.precision_warning(chosen, device) is None
