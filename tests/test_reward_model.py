@@ -95,22 +95,22 @@ BAD = [
 
 
 @pytest.mark.parametrize("content, message", BAD)
-def test_bad_data_is_one_line_and_loads_no_model(monkeypatch, capsys, tmp_path, content, message):
+def test_bad_data_is_one_line_and_loads_no_model(monkeypatch, capsys, tmp_path, tiny_model_dir, content, message):
     for name in ("load_tokenizer", "load_reward_backbone"):
         monkeypatch.setattr(f"grpo_lightning.reward_model.{name}", refuse)
     path = tmp_path / "prefs.jsonl"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(SystemExit) as stop:
-        fit(tmp_path, str(path), str(tmp_path))
+        fit(tmp_path, str(path), tiny_model_dir)  # a real model directory: only the data is at fault
     assert stop.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert path.read_bytes() == (content if isinstance(content, bytes) else content.encode())  # nothing lost
 
 
-def test_a_missing_file_is_one_line(capsys, tmp_path):
+def test_a_missing_file_is_one_line(capsys, tmp_path, tiny_model_dir):
     with pytest.raises(SystemExit) as stop:
-        fit(tmp_path, str(tmp_path / "none.jsonl"), str(tmp_path))
+        fit(tmp_path, str(tmp_path / "none.jsonl"), tiny_model_dir)
     assert stop.value.code == 2
     assert "none.jsonl: no such preference file" in capsys.readouterr().err
 
