@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from .config import GRPOConfigError
-from .sampling import default_start_token, sample_completions_with_logprobs
+from .sampling import decode_completions, default_start_token, sample_completions_with_logprobs
 
 
 @dataclass
@@ -101,12 +101,7 @@ def sample_group_of(
             f"model's context of {max_positions}; shorten it or lower gen_len"
         )
     sampled = sample_completions_with_logprobs(model, ids.repeat(group_size, 1), gen_len, temperature, stop_tokens)
-    generated = sampled.sample_ids[:, -gen_len:]
-    if sampled.completion_mask is None:
-        texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
-    else:
-        texts = tokenizer.batch_decode([g[m].tolist() for g, m in zip(generated, sampled.completion_mask)],
-                                       skip_special_tokens=True)  # fmt: skip
+    texts = decode_completions(tokenizer, sampled, gen_len)
     return Group(row, sampled.sample_ids, sampled.logprobs, sampled.entropy, sampled.completion_mask, texts)
 
 

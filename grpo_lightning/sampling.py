@@ -209,13 +209,18 @@ def sample_group(
     device = next(model.parameters()).device
     prompt_ids = encode_prompt(tokenizer, prompt, start_token).to(device).repeat(batch_size, 1)
     sampled = sample_completions_with_logprobs(model, prompt_ids, gen_len, temperature, stop_tokens)
-    completion_ids = sampled.sample_ids[:, -gen_len:]
-    if sampled.completion_mask is None:
-        completions = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-    else:
-        rows = [ids[mask].tolist() for ids, mask in zip(completion_ids, sampled.completion_mask)]
-        completions = tokenizer.batch_decode(rows, skip_special_tokens=True)
+    completions = decode_completions(tokenizer, sampled, gen_len)
     return sampled, [prompt + completion for completion in completions]
+
+
+def decode_completions(tokenizer, sampled: SampledCompletions, gen_len: int) -> list[str]:
+    """The generated text of each row: its last ``gen_len`` ids, without the padding after an answer ended
+    and without special tokens."""
+    generated = sampled.sample_ids[:, -gen_len:]
+    if sampled.completion_mask is None:
+        return tokenizer.batch_decode(generated, skip_special_tokens=True)
+    rows = [ids[mask].tolist() for ids, mask in zip(generated, sampled.completion_mask)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)
 
 
 @torch.no_grad()
