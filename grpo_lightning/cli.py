@@ -39,6 +39,7 @@ class GRPOLightningCLI(LightningCLI):
         # One epoch is one phase: the number of epochs *is* total_phases, so it is set in one place.
         parser.link_arguments("model.total_phases", "trainer.max_epochs")
         parser.link_arguments("model.max_grad_norm", "trainer.gradient_clip_val")
+        parser.link_arguments("model.eval_every_n_phases", "trainer.check_val_every_n_epoch")
 
     def parse_arguments(self, parser, args) -> None:
         self._args = args  # kept to parse them again over a checkpoint's settings (_parse_ckpt_path)

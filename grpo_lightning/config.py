@@ -97,6 +97,7 @@ def validate_args(args: GRPO_Args) -> None:
 def validate_module_settings(
     *, kl_estimator: str, clip_coef_high: float | None, samples_shown: int, max_nonfinite_steps: int,
     has_prompts: bool, prompts_per_phase: int, refill_flat_groups: int, batch_size: int, num_minibatches: int,
+    eval_every_n_phases: int = 1,
 ) -> None:  # fmt: skip
     """The GRPOModule settings beyond the chapter's ``GRPO_Args``; raises GRPOConfigError naming the first
     that cannot work."""
@@ -109,6 +110,7 @@ def validate_module_settings(
     _require(samples_shown >= 0, f"samples_shown ({samples_shown}) must be >= 0")
     _require(max_nonfinite_steps >= 1, f"max_nonfinite_steps ({max_nonfinite_steps}) must be at least 1")
     _require(prompts_per_phase >= 1, f"prompts_per_phase ({prompts_per_phase}) must be at least 1")
+    _require(eval_every_n_phases >= 1, f"eval_every_n_phases ({eval_every_n_phases}) must be at least 1")
     _require(
         refill_flat_groups >= 0 and (has_prompts or not refill_flat_groups),
         f"refill_flat_groups ({refill_flat_groups}) must be >= 0, and needs prompts to draw new ones from",

@@ -6,10 +6,13 @@ and an attention mask, and every row gives what it would give alone (tests/test_
 against step-by-step argmax without a cache). ``chat_prompt`` renders a user message through the
 tokenizer's chat template, the way an instruct model was trained to see questions.
 
-Used by ``benchmarks/arithmetic_baseline.py`` to measure held-out accuracy, and meant for a validation loop.
+Used by ``benchmarks/arithmetic_baseline.py`` to measure held-out accuracy, and by the training run's
+held-out evaluation in Lightning's validation loop (``grpo_lightning.heldout``).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -99,14 +102,20 @@ def greedy_rewards(
     max_new_tokens: int,
     stop_tokens: list[int] | None = None,
     chat: bool = True,
+    render: Callable[[str], str] | None = None,
 ) -> tuple[list[str], torch.Tensor]:
-    """The greedy completion of each row's prompt (through the chat template where ``chat`` and the
-    tokenizer has one) and its reward (B,), scored with the row (``reward_checks.score_samples``). The
-    mean of an exact-answer reward is the held-out accuracy."""
+    """The greedy completion of each row's prompt and its reward (B,), scored with the row
+    (``reward_checks.score_samples``). The mean of an exact-answer reward is the held-out accuracy.
+
+    The prompt is asked as ``render(prompt)`` where given (the training run passes its own rendering:
+    chat template, or start token + prompt), else through the chat template where ``chat`` and the
+    tokenizer has one, else as it is."""
     from .reward_checks import score_samples
 
     prompts = [row["prompt"] for row in rows]
-    texts = [chat_prompt(tokenizer, prompt) for prompt in prompts] if chat else prompts
+    if render is None:
+        render = (lambda prompt: chat_prompt(tokenizer, prompt)) if chat else (lambda prompt: prompt)
+    texts = [render(prompt) for prompt in prompts]
     completions = greedy_complete(model, tokenizer, texts, max_new_tokens, stop_tokens)
     samples = [prompt + completion for prompt, completion in zip(prompts, completions)]
     return completions, score_samples(reward, samples, completions, rows)

@@ -21,6 +21,7 @@ from typing import Callable
 import lightning as L
 import torch
 from torch import Tensor
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
 
@@ -55,6 +56,8 @@ from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .rollout_stats import importance_ratio_stats
+from .evaluation import greedy_rewards
+from .heldout import HeldOutScores, examples_markdown, heldout_line, heldout_loader, heldout_rows
 from .prompts import PromptSource, describe_source
 from .rollout import prompt_text
 from .rollout_phase import run_rollout
@@ -98,6 +101,9 @@ class GRPOModule(L.LightningModule):
         prompts_per_phase: int = 1,
         refill_flat_groups: int = 0,
         chat_template: bool = False,
+        eval_prompts: PromptSource | None = None,
+        eval_every_n_phases: int = 5,
+        eval_before_training: bool = True,
         total_phases: int = 100,
         batch_size: int = 128,
         num_minibatches: int = 4,
@@ -145,6 +151,14 @@ class GRPOModule(L.LightningModule):
                 0 (default) keeps them. ``rollout/refilled_groups`` counts the replacements.
             chat_template: render each prompt through the tokenizer's chat template as a user turn (how
                 instruct models are meant to be asked) instead of start_token + prompt.
+            eval_prompts: held-out prompts to evaluate the policy on, a fixed ``PromptSource`` (e.g.
+                ``grpo_lightning.tasks.ArithmeticProblems`` with ``split: heldout``): answered greedily and
+                scored with the reward, logged as ``eval/accuracy`` and ``eval/mean_reward``
+                (``grpo_lightning.heldout``); null (default): no evaluation.
+            eval_every_n_phases: with eval_prompts, evaluate after every this many phases (the trainer's
+                ``check_val_every_n_epoch``).
+            eval_before_training: with eval_prompts, evaluate the starting model too, before phase 1 of
+                a new run (logged at step 0).
             total_phases: phases to train (a phase = rollout + learning = one epoch).
             batch_size: completions per prompt, the GRPO group size G (per phase: G x prompts_per_phase).
             num_minibatches: minibatches the group is split into for the learning phase.
@@ -205,6 +219,7 @@ class GRPOModule(L.LightningModule):
         validate_module_settings(
             kl_estimator=kl_estimator, clip_coef_high=clip_coef_high, samples_shown=samples_shown,
             max_nonfinite_steps=max_nonfinite_steps, has_prompts=prompts is not None,
+            eval_every_n_phases=eval_every_n_phases,
             prompts_per_phase=prompts_per_phase, refill_flat_groups=refill_flat_groups, batch_size=batch_size,
             num_minibatches=num_minibatches,
         )  # fmt: skip
@@ -221,6 +236,8 @@ class GRPOModule(L.LightningModule):
         self.prompts_per_phase = prompts_per_phase
         self.refill_rounds = refill_flat_groups
         self.chat_template = chat_template
+        self.eval_prompts = eval_prompts
+        self.eval_before_training = eval_before_training
         self.kl_estimator = kl_estimator
         self.stop_at_eos = stop_at_eos
         self.clip_coef_high = clip_coef_high
@@ -242,8 +259,9 @@ class GRPOModule(L.LightningModule):
         # Checkpoints must hold plain data only, to stay loadable with torch.load(weights_only=True).
         if not isinstance(self.hparams.reward, dict):  # built in Python, not by the CLI (which stores its config)
             self.hparams.reward = describe_reward(reward)
-        if isinstance(self.hparams.prompts, PromptSource):
-            self.hparams.prompts = describe_source(prompts)
+        for name in ("prompts", "eval_prompts"):
+            if isinstance(self.hparams[name], PromptSource):
+                self.hparams[name] = describe_source(self.hparams[name])
         if isinstance(self.hparams.lora, LoraSettings):
             self.hparams.lora = dataclasses.asdict(self.hparams.lora)
 
@@ -256,6 +274,7 @@ class GRPOModule(L.LightningModule):
         # Importance ratios over a whole learning phase (the per-step values are logged too).
         self.ratio_mean = MeanMetric()
         self.ratio_max = MaxMetric()
+        self.heldout = HeldOutScores(examples_kept=samples_shown)
 
         # The frozen reference and reward models never change: keep them out of checkpoints, and
         # forgive exactly their keys when loading, so that loading stays strict for everything else.
@@ -311,14 +330,16 @@ class GRPOModule(L.LightningModule):
 
     def known_prompt_texts(self, start: str) -> list[str]:
         """The texts the model will be asked, where they are known before training: the single prompt, or
-        every row of a fixed prompt set (a generated stream is checked as it is drawn)."""
-        if self.prompts is None:
-            return [start + self.args.prompt]
-        try:
-            rows = self.prompts.all_rows()
-        except NotImplementedError:
-            return [start + self.args.prompt]
-        return [prompt_text(self.tokenizer, row["prompt"], self.start_token, self.chat_template) for row in rows]
+        every row of a fixed prompt set (a generated stream is checked as it is drawn), and the held-out
+        prompts."""
+        rows = []
+        if self.prompts is not None:
+            with contextlib.suppress(NotImplementedError):
+                rows = self.prompts.all_rows()
+        if self.eval_prompts is not None:
+            rows = rows + heldout_rows(self.eval_prompts)
+        texts = [prompt_text(self.tokenizer, row["prompt"], self.start_token, self.chat_template) for row in rows]
+        return texts or [start + self.args.prompt]
 
     @property
     def sequences_per_phase(self) -> int:
@@ -380,7 +401,7 @@ class GRPOModule(L.LightningModule):
                 if message:
                     warnings.warn(message, stacklevel=1)
 
-    def on_train_start(self) -> None:
+    def relay_lr_schedule(self) -> None:
         """On resume, the checkpoint restored the optimizer's learning rates as they were: lay the schedule out
         again from the settings of this run, so that a changed lr or total_phases is honoured. Unchanged
         settings give back the very same numbers (the formula LambdaLR itself uses)."""
@@ -392,6 +413,11 @@ class GRPOModule(L.LightningModule):
             for group, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas):
                 group["initial_lr"] = self.args.lr
                 group["lr"] = self.args.lr * lr_lambda(scheduler.last_epoch)
+
+    def on_train_start(self) -> None:
+        self.relay_lr_schedule()
+        if self.eval_prompts is not None and self.eval_before_training and self.trainer.ckpt_path is None:
+            self.evaluate_starting_model()
 
     def on_train_epoch_start(self) -> None:
         # eval() switches off dropout only (gradients still flow): rollout, learning and reference
@@ -570,6 +596,54 @@ class GRPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.nonfinite.load_state_dict(checkpoint.get("nonfinite_steps", {}))
+
+    # ---- held-out evaluation (Lightning's validation loop; grpo_lightning.heldout) --------------
+
+    @property
+    def validate_command(self) -> bool:
+        """Whether this is ``trainer.validate`` (``grpo-lightning validate``), not a fit's validation loop."""
+        return self.trainer.state.fn == TrainerFn.VALIDATING
+
+    def val_dataloader(self):
+        if self.eval_prompts is None and self.validate_command:
+            raise GRPOConfigError("validate needs held-out prompts: set model.eval_prompts (see experiments/arithmetic.yaml)")
+        return heldout_loader(self.eval_prompts)
+
+    def validation_step(self, rows: list[dict], batch_idx: int) -> None:
+        render = lambda prompt: prompt_text(self.tokenizer, prompt, self.start_token, self.chat_template)  # noqa: E731
+        completions, rewards = greedy_rewards(self.policy, self.tokenizer, rows, self.reward, self.args.gen_len,
+                                              self.stop_tokens, render=render)  # fmt: skip
+        self.heldout.update(rows, completions, rewards)
+
+    def on_validation_epoch_end(self) -> None:
+        scores = self.heldout.compute()
+        self.log_dict(scores, batch_size=1)
+        if self.validate_command:  # a checkpoint, or the starting model
+            path = self.trainer.ckpt_path
+            when = f"of {path}" if path else "of the starting model"
+        else:
+            when = f"after phase {self.current_epoch + 1}/{self.args.total_phases}"
+        self.report_heldout(scores, when)
+
+    def evaluate_starting_model(self) -> None:
+        """The held-out scores of the model before any training, logged at step 0 (Lightning's validation
+        loop cannot run before the first epoch)."""
+        self.policy.eval()
+        with torch.no_grad(), self.rollout_precision_context():
+            for index, rows in enumerate(heldout_loader(self.eval_prompts)):
+                self.validation_step(rows, index)
+        scores = self.heldout.compute()
+        if self.logger is not None:
+            self.logger.log_metrics({name: float(value) for name, value in scores.items()}, step=0)
+        self.report_heldout(scores, "before training")
+
+    def report_heldout(self, scores: dict[str, Tensor], when: str) -> None:
+        if self.trainer.is_global_zero:
+            print(f"\n{heldout_line(when, scores)}", flush=True)
+            experiment = getattr(self.logger, "experiment", None)
+            if hasattr(experiment, "add_text") and self.heldout.examples:
+                experiment.add_text("eval/answers", examples_markdown(self.heldout.examples), self.global_step)
+        self.heldout.reset()
 
     # ---- the end ---------------------------------------------------------------------------
 

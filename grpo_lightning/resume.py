@@ -144,5 +144,5 @@ def check_resume(path: str, saved: dict[str, Any], done: int, asked: dict[str, A
             f"--model.total_phases above {done} to extend it"
         )
     changes = changed_settings(saved, asked)
-    said = f"resuming {path}: {done} of {total} phases done"
+    said = f"resuming {path}: {done} of {total} phases done" if extending else f"evaluating {path}, after {done} of {total} phases"
     return said + (f"; changed: {', '.join(changes)}" if changes else "; settings as in the checkpoint")
