@@ -85,3 +85,28 @@ def test_arithmetic_baseline_runs_end_to_end(tiny_model_dir, tmp_path, capsys):
         assert result["correct"] == sum(c["reward"] for c in result["completions"])
         assert result["accuracy"] == result["correct"] / 6
     assert "add1: " in capsys.readouterr().out
+
+
+def test_arithmetic_runs_reads_each_evaluation_with_its_phase_and_minutes(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    from benchmarks.arithmetic_runs import read_evaluations, report
+
+    writer = SummaryWriter(str(tmp_path))
+    start = 1_000_000.0
+    # Two phases of 2 steps: Lightning logs a phase's epoch metrics at its last step (1, 3)
+    for step, epoch in ((0, 0), (1, 0), (2, 1), (3, 1)):
+        writer.add_scalar("epoch", epoch, step, walltime=start + 30 * step)
+    for step, accuracy, minutes in ((0, 0.25, 0.5), (3, 0.5, 31.0)):
+        writer.add_scalar("eval/accuracy", accuracy, step, walltime=start + 60 * minutes)
+        writer.add_scalar("eval/mean_reward", accuracy, step, walltime=start + 60 * minutes)
+        writer.add_scalar("eval/prompts", 48, step, walltime=start + 60 * minutes)
+    writer.close()
+    evaluations = read_evaluations(str(tmp_path))
+    assert [(e["step"], e["phase"], e["accuracy"], e["problems"]) for e in evaluations] == [(0, 0, 0.25, 48), (3, 2, 0.5, 48)]
+    assert [e["minutes"] for e in evaluations] == pytest.approx([0.5, 31.0])
+    text = report([{"seed": 7, "evaluations": evaluations}])
+    assert "seed 7: 0@0.5m 25.0%  2@31.0m 50.0%" in text
+    # noise: sqrt(0.25 * 0.75 / 48) = 0.0625; the last evaluation within 30 minutes is the start (+0.0 SE)
+    assert "start 25.0% (n=48, standard error 6.2 points); last within 30 min: phase 0 25.0% (+0.0 SE)" in text
+    assert "end: phase 2 50.0% at 31.0 min" in text and "mean over 1 seed(s): +25.0 points" in text
