@@ -6,6 +6,7 @@ Read top to bottom, in the order a phase runs:
   train_dataloader       an IterableDataset over the memory: shuffled minibatches
   training_step          clipped surrogate - kl_coef * k2, maximised by AdamW(maximize=True)
   configure_optimizers   AdamW + warmup/linear-decay schedule stepped once per phase
+  validation_step        with eval_prompts: greedy answers to held-out prompts, scored (grpo_lightning.heldout)
 Lightning does backward, gradient clipping, precision, devices, checkpoints and logging.
 """
 
