@@ -237,6 +237,8 @@ class GRPOModule(L.LightningModule):
         self.prompts_per_phase = prompts_per_phase
         self.refill_rounds = refill_flat_groups
         self.chat_template = chat_template
+        if eval_prompts is not None:
+            heldout_rows(eval_prompts)  # a fixed, non-empty set, or one line now, before anything loads
         self.eval_prompts = eval_prompts
         self.eval_before_training = eval_before_training
         self.kl_estimator = kl_estimator
