@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from .callbacks import StopAtSafePoints
 from .checkpointing import AtomicCheckpointIO, CheckpointError, PhaseCheckpoint
 from .config import GRPOConfigError, GRPOError
+from .distributed import check_process_split, explain_strategy_error, planned_processes
 from .input_checks import check_run_dir, explain_instantiation_error, explain_parser_error, prepare_argv
 from .interrupt import STOP, StopRequested
 from .module import GRPOModule
@@ -76,6 +77,11 @@ class GRPOLightningCLI(LightningCLI):
         plugins = list(plugins) if isinstance(plugins, (list, tuple)) else [plugins]
         if not any(isinstance(plugin, CheckpointIO) for plugin in plugins):
             config["plugins"] = [*plugins, AtomicCheckpointIO()]
+        # A phase that does not split over the processes is refused here, before the trainer's banner and before
+        # any other process starts, so that the one line is all a user sees (GRPOModule.setup checks it again).
+        processes = planned_processes(config.get("accelerator"), config.get("devices"), config.get("num_nodes"))
+        if processes is not None and isinstance(self.model, GRPOModule):
+            check_process_split(self.model, processes)
         return super()._instantiate_trainer(config, callbacks)
 
     def before_instantiate_classes(self) -> None:
@@ -89,7 +95,14 @@ class GRPOLightningCLI(LightningCLI):
         # trainer is built, so that a refusal is the only line a run prints (the trainer prints a banner).
         if self.subcommand is not None and isinstance(self.model, GRPOModule):
             self.model.check_inputs()
-        return super().instantiate_trainer(**kwargs)
+        try:
+            trainer = super().instantiate_trainer(**kwargs)
+        except ValueError as error:  # e.g. FSDP on a CPU, which Lightning refuses
+            explained = explain_strategy_error(error)
+            if explained is None:
+                raise
+            raise GRPOConfigError(explained) from error
+        return trainer
 
 
 def settle_precision(precision, accelerator) -> str | int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import signal
 import sys
 
+from lightning.pytorch.utilities import rank_zero_only
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -51,6 +53,8 @@ class StopSignals:
         if self.signum is not None:  # the second signal: at once (Lightning turns it into exit code 1)
             raise KeyboardInterrupt
         self.signum = signum
+        if rank_zero_only.rank != 0:  # a multi-process run: every rank is stopping, rank 0 says so
+            return
         name = signal.Signals(signum).name
         print(
             f"\n{name} received: stopping after the current step (the phase in progress is dropped; "

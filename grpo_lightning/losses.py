@@ -76,18 +76,21 @@ def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True
 # ---- summing per-token terms ---------------------------------------------------------------------
 
 
-def aggregate(values: Tensor, mask: Tensor, how: str, max_len: int | None = None) -> Tensor:
+def aggregate(
+    values: Tensor, mask: Tensor, how: str, max_len: int | None = None, tokens: Tensor | None = None
+) -> Tensor:
     """One scalar from per-token values (b, T), counting only tokens where ``mask`` is 1.
 
     "sequence_mean": mean over each sequence's tokens, then over sequences (a sequence without tokens
-    counts as 0); "token_mean": sum / number of tokens; "constant": sum / (b * max_len), max_len
-    defaulting to T."""
+    counts as 0); "token_mean": sum / number of tokens (or / ``tokens`` when given: the share of all
+    processes' tokens each is to divide by, ``grpo_lightning.distributed.token_mean_denominator``);
+    "constant": sum / (b * max_len), max_len defaulting to T."""
     mask = mask.to(values.dtype)
     total = (values * mask).sum(dim=1)  # (b,)
     if how == "sequence_mean":
         return (total / mask.sum(dim=1).clamp(min=1)).mean()
     if how == "token_mean":
-        return total.sum() / mask.sum().clamp(min=1)
+        return total.sum() / (mask.sum().clamp(min=1) if tokens is None else tokens)
     if how == "constant":
         return total.sum() / (values.shape[0] * (max_len or values.shape[1]))
     raise ValueError(f"unknown aggregation {how!r}")
@@ -116,19 +119,23 @@ def surrogate_objective(
     clip_coef: float,
     clip_coef_high: float | None = None,
     max_len: int | None = None,
+    tokens: Tensor | None = None,
 ) -> Tensor:
     """The clipped surrogate of ``variant``, to be maximised. logprobs, old_logprobs, mask: (b, T);
-    advantages: (b,). ``clip_coef_high`` (default ``clip_coef``) bounds the ratio from above."""
+    advantages: (b,). ``clip_coef_high`` (default ``clip_coef``) bounds the ratio from above; ``tokens``
+    replaces a token mean's own token count (see ``aggregate``)."""
     clip_high = clip_coef if clip_coef_high is None else clip_coef_high
     if variant.sequence_ratio:
         ratio = sequence_log_ratio(logprobs, old_logprobs, mask).exp()  # (b,)
         return clipped_terms(ratio, advantages, clip_coef, clip_high).mean()
     ratio = (logprobs - old_logprobs).exp()
     terms = clipped_terms(ratio, advantages[:, None], clip_coef, clip_high)
-    return aggregate(terms, mask, variant.aggregation, max_len)
+    return aggregate(terms, mask, variant.aggregation, max_len, tokens)
 
 
-def kl_objective(variant: LossVariant, per_token_kl: Tensor, mask: Tensor, max_len: int | None = None) -> Tensor:
+def kl_objective(
+    variant: LossVariant, per_token_kl: Tensor, mask: Tensor, max_len: int | None = None, tokens: Tensor | None = None
+) -> Tensor:
     """The KL penalty's per-token estimates (b, T) summed the way the variant sums its surrogate (GSPO's
     sequence-level ratio has no per-token sum: its KL is a mean over each sequence, then over sequences)."""
-    return aggregate(per_token_kl, mask, variant.aggregation, max_len)
+    return aggregate(per_token_kl, mask, variant.aggregation, max_len, tokens)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import time
 import warnings
 from typing import Callable
@@ -31,6 +30,15 @@ from rewards.base import describe_reward, prepare_reward
 
 from .activation_checkpointing import enable_activation_checkpointing, flag_checkpointed_layers
 from .config import GRPO_Args, GRPOConfigError, validate_module_settings
+from .distributed import (
+    all_gather_objects,
+    check_process_split,
+    export_once,
+    gather_rollout,
+    rank_and_world,
+    rank_share,
+    token_mean_denominator,
+)
 from .kl import kl_loss_penalty, kl_loss_terms
 from .losses import kl_objective, surrogate_objective
 from .losses import loss_variant as loss_variant_named
@@ -83,6 +91,9 @@ warnings.filterwarnings("ignore", message=r"Attribute 'reward' is an instance of
 # - a resumed run writes into a new version directory, so its checkpoint callback starts afresh there.
 warnings.filterwarnings("ignore", message=r"The dirpath has changed from")
 warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
+# - under DDP the rollout/ scalars are computed from every rank's gathered record (grpo_lightning.distributed):
+#   they are the whole phase's already, the same on every rank, with nothing left to reduce.
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('rollout/")
 
 
 def phase_seed(seed: int, phase: int, rank: int) -> int:
@@ -346,7 +357,11 @@ class GRPOModule(L.LightningModule):
 
     @property
     def sequences_per_phase(self) -> int:
-        return self.args.batch_size * self.prompts_per_phase
+        """This process's sequences per phase: a group of batch_size per prompt row it rolls out (under DDP
+        its share of the phase's rows; with the single prompt, one group per process)."""
+        if self.prompts is None:
+            return self.args.batch_size
+        return self.args.batch_size * self.prompts_per_phase // rank_and_world(self)[1]
 
     @property
     def phase_args(self) -> GRPO_Args:
@@ -357,10 +372,12 @@ class GRPOModule(L.LightningModule):
         return dataclasses.replace(self.args, batch_size=self.sequences_per_phase)
 
     def draw_rows(self) -> list[dict]:
-        """This phase's prompt rows: the single prompt, or ``prompts_per_phase`` rows drawn by seed and phase."""
+        """This process's prompt rows: the single prompt, or its share of the ``prompts_per_phase`` rows drawn
+        by seed and phase (every rank draws them all, the same, and keeps whole groups of its own)."""
         if self.prompts is None:
             return [{"prompt": self.args.prompt}]
-        return self.prompts.draw(self.args.seed, self.current_epoch, self.prompts_per_phase)
+        rows = self.prompts.draw(self.args.seed, self.current_epoch, self.prompts_per_phase)
+        return rank_share(rows, *rank_and_world(self))
 
     def attention_kernel(self) -> str | None:
         """``attn_implementation``, or for null: "eager" for short sequences, else transformers' default."""
@@ -389,6 +406,10 @@ class GRPOModule(L.LightningModule):
             return get_logprobs_batched(reference, sample_ids, self.args.gen_len, chunk, attention_mask)
 
     # ---- rollout phase ---------------------------------------------------------------------
+
+    def setup(self, stage: str) -> None:
+        # The command line checks this before it starts the other processes; here for Trainer(...).fit.
+        check_process_split(self, self.trainer.world_size)
 
     def on_fit_start(self) -> None:
         max_epochs = self.trainer.max_epochs
@@ -454,13 +475,16 @@ class GRPOModule(L.LightningModule):
         and keep them in the replay memory for the learning phase."""
         memory, record, refilled = run_rollout(self)
         self.log_rollout(record)
-        if self.refill_rounds:
-            self.log("rollout/refilled_groups", float(refilled), on_step=False, on_epoch=True, batch_size=1)
+        if self.refill_rounds:  # each rank refills its own groups
+            self.log("rollout/refilled_groups", float(sum(all_gather_objects(refilled))), on_step=False,
+                     on_epoch=True, batch_size=1)  # fmt: skip
         return memory
 
     def log_rollout(self, record: RolloutRecord) -> None:
+        # Under DDP: every rank's groups (a collective), so that all of this describes the whole phase.
+        record, components = gather_rollout(record, getattr(self.reward, "last_components", {}))
         scalars = rollout_scalars(record, group_size=self.args.batch_size)  # one prompt: one group
-        for name, values in getattr(self.reward, "last_components", {}).items():  # e.g. WeightedSum's terms
+        for name, values in components.items():  # e.g. WeightedSum's terms
             scalars[f"rollout/reward_components/{name}"] = values.float().mean().cpu()
         self.log_dict(scalars, on_step=False, on_epoch=True, batch_size=len(record.samples))
 
@@ -486,7 +510,13 @@ class GRPOModule(L.LightningModule):
     def on_train_epoch_end(self) -> None:
         mask = self.memory.completion_mask
         generated_tokens = self.sequences_per_phase * self.args.gen_len if mask is None else int(mask.sum())
-        self.log_dict(perf_scalars(self.timer, generated_tokens), on_step=False, on_epoch=True, batch_size=1)
+        scalars = perf_scalars(self.timer, generated_tokens)
+        rate = scalars.pop("perf/generated_tokens_per_s", None)
+        # Under DDP: the slowest rank's seconds (the others wait for it), and all ranks' tokens per second.
+        self.log_dict(scalars, on_step=False, on_epoch=True, batch_size=1, sync_dist=True, reduce_fx="max")
+        if rate is not None:
+            self.log("perf/generated_tokens_per_s", rate, on_step=False, on_epoch=True, batch_size=1, sync_dist=True,
+                     reduce_fx="sum")  # fmt: skip
 
     # ---- learning phase --------------------------------------------------------------------
 
@@ -505,7 +535,9 @@ class GRPOModule(L.LightningModule):
         old_logprobs = logprobs.detach() if self.on_policy else minibatch.logprobs
         surrogate, kl_penalty = self.surrogate_and_kl_penalty(logprobs, old_logprobs, minibatch)
         objective = surrogate - kl_penalty
-        if self.guards_numerics and not torch.isfinite(objective):
+        # Every rank skips, or none does: a rank without a backward would leave the others waiting in DDP's
+        # gradient all-reduce.
+        if self.guards_numerics and not self.trainer.strategy.reduce_boolean_decision(bool(torch.isfinite(objective))):
             self.nonfinite.skipped("loss", self.where())
             self.log("train/nonfinite_steps", float(self.nonfinite.total), on_step=True, on_epoch=False)
             return None  # Lightning then runs neither backward nor the optimizer step
@@ -521,10 +553,14 @@ class GRPOModule(L.LightningModule):
             "train/kl_penalty": kl_penalty.detach(),
             "train/clip_fraction": clip_fraction(logprobs, old_logprobs, args.clip_coef),
             "train/ratio_mean": ratio_mean,
-            "train/ratio_max": ratio_max,
             "train/lr": torch.tensor(self.optimizers().param_groups[0]["lr"]),
         }
-        self.log_dict(stats, on_step=True, on_epoch=False, batch_size=len(minibatch.advantages))
+        # Under DDP: the mean over ranks (the union minibatch's value, the ranks' minibatches being of one
+        # size), and the largest ratio of any rank.
+        size = len(minibatch.advantages)
+        self.log_dict(stats, on_step=True, on_epoch=False, batch_size=size, sync_dist=True)
+        self.log("train/ratio_max", ratio_max, on_step=True, on_epoch=False, batch_size=size, sync_dist=True,
+                 reduce_fx="max")  # fmt: skip
         self.log("train/ratio_mean_phase", self.ratio_mean, on_step=False, on_epoch=True)
         self.log("train/ratio_max_phase", self.ratio_max, on_step=False, on_epoch=True)
         # Returned as is, not negated: the optimizer is AdamW(maximize=True), as in the reference.
@@ -542,13 +578,17 @@ class GRPOModule(L.LightningModule):
             if not self.uses_reference:
                 return surrogate, no_penalty
             return surrogate, kl_loss_penalty(logprobs, minibatch.ref_logprobs, args.kl_coef, self.kl_estimator)
+        # A token mean over completions that end: under DDP, divided by the tokens of all ranks (a collective).
+        tokens = None
+        if mask is not None and self.variant.aggregation == "token_mean":
+            tokens = token_mean_denominator(mask, self.trainer)
         mask = torch.ones_like(logprobs, dtype=torch.bool) if mask is None else mask
-        surrogate = surrogate_objective(self.variant, logprobs, old_logprobs, minibatch.advantages, mask,
-                                        args.clip_coef, self.clip_coef_high, max_len=args.gen_len)  # fmt: skip
+        surrogate = surrogate_objective(self.variant, logprobs, old_logprobs, minibatch.advantages, mask, args.clip_coef,
+                                        self.clip_coef_high, max_len=args.gen_len, tokens=tokens)  # fmt: skip
         if not self.uses_reference or self.kl_estimator == "k1_reward":  # k1_reward: the KL is in the rewards
             return surrogate, no_penalty
         terms = kl_loss_terms(logprobs, minibatch.ref_logprobs, self.kl_estimator)
-        return surrogate, args.kl_coef * kl_objective(self.variant, terms, mask, max_len=args.gen_len)
+        return surrogate, args.kl_coef * kl_objective(self.variant, terms, mask, max_len=args.gen_len, tokens=tokens)
 
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
         clip_val = self.args.max_grad_norm if gradient_clip_val is None else gradient_clip_val
@@ -632,9 +672,11 @@ class GRPOModule(L.LightningModule):
         """The held-out scores of the model before any training, logged at step 0 (Lightning's validation
         loop cannot run before the first epoch)."""
         self.policy.eval()
+        rank, world_size = rank_and_world(self)
         with torch.no_grad(), self.rollout_precision_context():
             for index, rows in enumerate(heldout_loader(self.eval_prompts)):
-                self.validation_step(rows, index)
+                if index % world_size == rank:  # under DDP each rank its share of the batches; compute() sums them
+                    self.validation_step(rows, index)
         scores = self.heldout.compute()
         if self.logger is not None:
             self.logger.log_metrics({name: float(value) for name, value in scores.items()}, step=0)
@@ -651,7 +693,6 @@ class GRPOModule(L.LightningModule):
     # ---- the end ---------------------------------------------------------------------------
 
     def on_fit_end(self) -> None:
-        if self.export_dir is None or not self.trainer.is_global_zero:
-            return
-        out = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, self.export_dir)
-        export_policy(self.policy, self.tokenizer, out, self.lora)
+        if self.export_dir is not None:  # by rank 0, the other ranks waiting for it
+            write = lambda out: export_policy(self.policy, self.tokenizer, out, self.lora)  # noqa: E731
+            export_once(self.trainer, self.export_dir, write)

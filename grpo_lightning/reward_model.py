@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from .config import GRPOConfigError
+from .distributed import export_once
 from .lora import LoraSettings, default_target_modules
 from .models import check_model_name, load_tokenizer, resolve_model_path, _load_error
 from .preferences import PreferencePair, training_pairs
@@ -244,9 +245,10 @@ class RewardModelModule(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def on_fit_end(self) -> None:
-        if self.hparams.export_dir is None or not self.trainer.is_global_zero:
-            return
-        out = os.path.join(self.trainer.log_dir or self.trainer.default_root_dir, self.hparams.export_dir)
+        if self.hparams.export_dir is not None:  # by rank 0, the other ranks waiting for it
+            export_once(self.trainer, self.hparams.export_dir, self.export)
+
+    def export(self, out: str) -> None:
         export_reward_model(self.model, self.tokenizer, out)
         link = point_latest(self.trainer.default_root_dir, out)
         print(f"{link} -> {out} (the path a LearnedReward config can name)", flush=True)

@@ -130,7 +130,8 @@ def flat_groups(rewards: Tensor, group_size: int) -> list[int]:
     return [int(i) for i in torch.nonzero((groups == groups[:, :1]).all(dim=1)).flatten()]
 
 
-def refill_seed(seed: int, round_: int) -> int:
+def refill_seed(seed: int, round_: int, rank: int = 0) -> int:
     """The seed of the prompts drawn to replace flat groups, in refill round ``round_`` (1, 2, ...): its own
-    stream, so refills never change which prompts the phase drew first."""
-    return (seed * 1_000_003 + round_ * 104_729 + 5) % (2**63)
+    stream, so refills never change which prompts the phase drew first; and under DDP one per rank, which
+    refills its own flat groups (so that two ranks do not draw the same replacements)."""
+    return (seed * 1_000_003 + round_ * 104_729 + rank * 7_919_113 + 5) % (2**63)

@@ -41,13 +41,15 @@ def score_groups(module, groups: list[Group]) -> Tensor:
 def refill_flat_groups(module, groups: list[Group], rewards: Tensor) -> tuple[list[Group], Tensor, int]:
     """Dynamic sampling: a group whose rewards are all equal has zero advantages and teaches nothing;
     it is replaced by a group of a newly drawn prompt, for up to ``refill_flat_groups`` rounds (the
-    new prompts come from a stream of their own, fixed by the seed, the phase and the round)."""
+    new prompts come from a stream of their own, fixed by the seed, the phase and the round; under DDP each
+    rank refills its own groups, from a stream of its own)."""
     refilled, size = 0, module.args.batch_size
     for round_ in range(1, module.refill_rounds + 1):
         flat = flat_groups(rewards, size)
         if not flat:
             break
-        rows = module.prompts.draw(refill_seed(module.args.seed, round_), module.current_epoch, len(flat))
+        seed = refill_seed(module.args.seed, round_, module.global_rank)
+        rows = module.prompts.draw(seed, module.current_epoch, len(flat))
         new_groups = sample_groups(module, rows)
         new_rewards = score_groups(module, new_groups).view(-1, size)
         rewards = rewards.clone()
