@@ -23,8 +23,14 @@ import torch
 from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric, SumMetric
 
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor
+
 from .config import GRPOConfigError
+from .distributed import rank_and_world
+from .evaluation import greedy_rewards
 from .prompts import PromptSource, Row
+from .rollout import prompt_text
 
 # Prompts decoded together. A batch is also the unit a requested stop waits for (a few seconds on a CPU).
 EVAL_BATCH_SIZE = 20
@@ -107,3 +113,57 @@ def examples_markdown(examples: list[tuple[str, str, str, float]]) -> str:
         cells = [text.replace("|", "\\|").replace("\n", " ") for text in (prompt, answer, completion)]
         lines.append(f"| {cells[0]} | {cells[1]} | {cells[2]} | {reward:.3f} |")
     return "\n".join(lines)
+
+
+class HeldOutEvaluation:
+    """The validation-loop hooks of ``GRPOModule`` (a mixin): they read its ``eval_prompts``, ``policy``,
+    ``tokenizer``, ``reward``, ``start_token``, ``chat_template``, ``stop_tokens``, ``args`` and
+    ``heldout`` (a ``HeldOutScores``), and ``rollout_precision_context`` for the evaluation before training."""
+
+    @property
+    def validate_command(self) -> bool:
+        """Whether this is ``trainer.validate`` (``grpo-lightning validate``), not a fit's validation loop."""
+        return self.trainer.state.fn == TrainerFn.VALIDATING
+
+    def val_dataloader(self):
+        if self.eval_prompts is None and self.validate_command:
+            raise GRPOConfigError("validate needs held-out prompts: set model.eval_prompts (see experiments/arithmetic.yaml)")
+        return heldout_loader(self.eval_prompts)
+
+    def validation_step(self, rows: list[dict], batch_idx: int) -> None:
+        render = lambda prompt: prompt_text(self.tokenizer, prompt, self.start_token, self.chat_template)  # noqa: E731
+        completions, rewards = greedy_rewards(self.policy, self.tokenizer, rows, self.reward, self.args.gen_len,
+                                              self.stop_tokens, render=render)  # fmt: skip
+        self.heldout.update(rows, completions, rewards)
+
+    def on_validation_epoch_end(self) -> None:
+        scores = self.heldout.compute()
+        self.log_dict(scores, batch_size=1)
+        if self.validate_command:  # a checkpoint, or the starting model
+            path = self.trainer.ckpt_path
+            when = f"of {path}" if path else "of the starting model"
+        else:
+            when = f"after phase {self.current_epoch + 1}/{self.args.total_phases}"
+        self.report_heldout(scores, when)
+
+    def evaluate_starting_model(self) -> None:
+        """The held-out scores of the model before any training, logged at step 0 (Lightning's validation
+        loop cannot run before the first epoch)."""
+        self.policy.eval()
+        rank, world_size = rank_and_world(self)
+        with torch.no_grad(), self.rollout_precision_context():
+            for index, rows in enumerate(heldout_loader(self.eval_prompts)):
+                if index % world_size == rank:  # under DDP each rank its share of the batches; compute() sums them
+                    self.validation_step(rows, index)
+        scores = self.heldout.compute()
+        if self.logger is not None:
+            self.logger.log_metrics({name: float(value) for name, value in scores.items()}, step=0)
+        self.report_heldout(scores, "before training")
+
+    def report_heldout(self, scores: dict[str, Tensor], when: str) -> None:
+        if self.trainer.is_global_zero:
+            print(f"\n{heldout_line(when, scores)}", flush=True)
+            experiment = getattr(self.logger, "experiment", None)
+            if hasattr(experiment, "add_text") and self.heldout.examples:
+                experiment.add_text("eval/answers", examples_markdown(self.heldout.examples), self.global_step)
+        self.heldout.reset()

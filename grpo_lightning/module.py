@@ -21,7 +21,6 @@ from typing import Callable
 import lightning as L
 import torch
 from torch import Tensor
-from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
 
@@ -65,8 +64,7 @@ from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .rollout_stats import importance_ratio_stats
-from .evaluation import greedy_rewards
-from .heldout import HeldOutScores, examples_markdown, heldout_line, heldout_loader, heldout_rows
+from .heldout import HeldOutEvaluation, HeldOutScores, heldout_rows
 from .prompts import PromptSource, describe_source
 from .rollout import prompt_text
 from .rollout_phase import run_rollout
@@ -102,7 +100,7 @@ def phase_seed(seed: int, phase: int, rank: int) -> int:
     return ((seed * 1_000_003 + phase) * 1_009 + rank) % (2**63)
 
 
-class GRPOModule(L.LightningModule):
+class GRPOModule(HeldOutEvaluation, L.LightningModule):
     def __init__(
         self,
         reward: Reward | Callable[[list[str]], Tensor] | None = None,
@@ -639,56 +637,6 @@ class GRPOModule(L.LightningModule):
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         self.nonfinite.load_state_dict(checkpoint.get("nonfinite_steps", {}))
-
-    # ---- held-out evaluation (Lightning's validation loop; grpo_lightning.heldout) --------------
-
-    @property
-    def validate_command(self) -> bool:
-        """Whether this is ``trainer.validate`` (``grpo-lightning validate``), not a fit's validation loop."""
-        return self.trainer.state.fn == TrainerFn.VALIDATING
-
-    def val_dataloader(self):
-        if self.eval_prompts is None and self.validate_command:
-            raise GRPOConfigError("validate needs held-out prompts: set model.eval_prompts (see experiments/arithmetic.yaml)")
-        return heldout_loader(self.eval_prompts)
-
-    def validation_step(self, rows: list[dict], batch_idx: int) -> None:
-        render = lambda prompt: prompt_text(self.tokenizer, prompt, self.start_token, self.chat_template)  # noqa: E731
-        completions, rewards = greedy_rewards(self.policy, self.tokenizer, rows, self.reward, self.args.gen_len,
-                                              self.stop_tokens, render=render)  # fmt: skip
-        self.heldout.update(rows, completions, rewards)
-
-    def on_validation_epoch_end(self) -> None:
-        scores = self.heldout.compute()
-        self.log_dict(scores, batch_size=1)
-        if self.validate_command:  # a checkpoint, or the starting model
-            path = self.trainer.ckpt_path
-            when = f"of {path}" if path else "of the starting model"
-        else:
-            when = f"after phase {self.current_epoch + 1}/{self.args.total_phases}"
-        self.report_heldout(scores, when)
-
-    def evaluate_starting_model(self) -> None:
-        """The held-out scores of the model before any training, logged at step 0 (Lightning's validation
-        loop cannot run before the first epoch)."""
-        self.policy.eval()
-        rank, world_size = rank_and_world(self)
-        with torch.no_grad(), self.rollout_precision_context():
-            for index, rows in enumerate(heldout_loader(self.eval_prompts)):
-                if index % world_size == rank:  # under DDP each rank its share of the batches; compute() sums them
-                    self.validation_step(rows, index)
-        scores = self.heldout.compute()
-        if self.logger is not None:
-            self.logger.log_metrics({name: float(value) for name, value in scores.items()}, step=0)
-        self.report_heldout(scores, "before training")
-
-    def report_heldout(self, scores: dict[str, Tensor], when: str) -> None:
-        if self.trainer.is_global_zero:
-            print(f"\n{heldout_line(when, scores)}", flush=True)
-            experiment = getattr(self.logger, "experiment", None)
-            if hasattr(experiment, "add_text") and self.heldout.examples:
-                experiment.add_text("eval/answers", examples_markdown(self.heldout.examples), self.global_step)
-        self.heldout.reset()
 
     # ---- the end ---------------------------------------------------------------------------
 
