@@ -92,6 +92,8 @@ warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
 # - under DDP the rollout/ scalars are computed from every rank's gathered record (grpo_lightning.distributed):
 #   they are the whole phase's already, the same on every rank, with nothing left to reduce.
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('rollout/")
+# - the held-out scores are torchmetrics metrics, summed over processes when computed (grpo_lightning.heldout).
+warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('eval/")
 
 
 def phase_seed(seed: int, phase: int, rank: int) -> int:

@@ -9,6 +9,7 @@ import json
 import os
 import pty
 import select
+import signal
 import sys
 import time
 from pathlib import Path
@@ -32,6 +33,10 @@ class Terminal:
     def __init__(self, args: list[str]):
         pid, fd = pty.fork()
         if pid == 0:  # the child: exec at once
+            # Ctrl-C must reach label as at a keyboard, even where pytest itself was started in the background
+            # of a script (which ignores SIGINT; an ignored signal stays ignored across exec, and Python then
+            # installs no KeyboardInterrupt handler).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
             env = dict(os.environ, COLUMNS="120", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
             os.chdir(REPO)
             os.execvpe(sys.executable, [sys.executable, "-m", "grpo_lightning", "label", *args], env)
