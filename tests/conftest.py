@@ -3,6 +3,8 @@ real loading path (``from_pretrained`` on a local directory) without any downloa
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -64,6 +66,20 @@ def tiny_model_dir(tmp_path_factory) -> str:
 def no_cpu_contention_check(monkeypatch):
     """Fits skip the half-second look at other processes (tests/test_machine.py checks it)."""
     monkeypatch.setattr("grpo_lightning.module.competing_processes", lambda: [])
+
+
+@pytest.fixture
+def plain_argv(monkeypatch):
+    """LightningCLI warns when given both ``args`` and a non-empty sys.argv (pytest's own flags)."""
+    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fails the test if grpo_lightning.module loads a model or tokenizer."""
+    from grpo_lightning import module
+
+    refuse_model_loading(monkeypatch, module)
 
 
 def refuse_model_loading(monkeypatch, namespace) -> None:

@@ -12,11 +12,10 @@ import json
 import os
 import re
 import shutil
-import sys
 
 import pytest
 import torch
-from conftest import build_tiny_llama, refuse_model_loading
+from conftest import build_tiny_llama
 
 from grpo_lightning import cli, models, module
 from rewards import Reward
@@ -29,15 +28,8 @@ TINY_RUN = [
 ]  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    """LightningCLI warns when given both ``args`` and a non-empty sys.argv (pytest's own flags)."""
-    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    refuse_model_loading(monkeypatch, module)
+# Every test here runs the command line (conftest.plain_argv).
+pytestmark = pytest.mark.usefixtures("plain_argv")
 
 
 @pytest.fixture

@@ -8,24 +8,16 @@ import subprocess
 import sys
 
 import pytest
-from conftest import refuse_model_loading
 
-from grpo_lightning import cli, module
+from grpo_lightning import cli
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # reward_model.yaml configures `grpo-lightning reward-model fit` (tests/test_reward_model.py), not GRPO.
 EXPERIMENTS = sorted(p for p in glob.glob(os.path.join(REPO, "experiments", "*.yaml")) if "reward_model" not in p)
 
 
-@pytest.fixture(autouse=True)
-def plain_argv(monkeypatch):
-    """LightningCLI warns when given both ``args`` and a non-empty sys.argv (pytest's own flags)."""
-    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
-
-
-@pytest.fixture
-def no_model_loading(monkeypatch):
-    refuse_model_loading(monkeypatch, module)
+# Every test here runs the command line (conftest.plain_argv).
+pytestmark = pytest.mark.usefixtures("plain_argv")
 
 
 @pytest.mark.parametrize(

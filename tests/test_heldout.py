@@ -3,14 +3,12 @@ where the numbers go, and ``grpo-lightning validate``."""
 
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch
 import yaml
 
-from conftest import refuse_model_loading
-from grpo_lightning import cli, module
+from grpo_lightning import cli
 from grpo_lightning.config import GRPOConfigError
 from grpo_lightning.evaluation import greedy_rewards
 from grpo_lightning.heldout import HeldOutScores, examples_markdown, heldout_line, heldout_loader
@@ -19,6 +17,8 @@ from grpo_lightning.prompts import PromptList
 from grpo_lightning.rollout import prompt_text
 from grpo_lightning.tasks import ArithmeticProblems
 from rewards import CharCount
+
+pytestmark = pytest.mark.usefixtures("plain_argv")  # the tests that run the command line need it
 
 EVAL_ROWS = ["The cat", "This is", "Dr. Smith", "I thought", "Periods end", "Commas"]
 
@@ -90,7 +90,6 @@ def scalars(run_dir) -> dict[str, dict[int, float]]:
 def test_a_run_evaluates_before_training_and_after_each_phase_and_validate_evaluates_a_checkpoint(
     tiny_model_dir, tmp_path, monkeypatch, capsys
 ):
-    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
     config = write_config(tmp_path / "run.yaml", tiny_model_dir, tmp_path / "runs")
     cli.main(["fit", "--config", config])
     out = capsys.readouterr().out
@@ -127,7 +126,6 @@ def test_a_run_evaluates_before_training_and_after_each_phase_and_validate_evalu
 
 
 def test_evaluation_every_n_phases_and_not_before_training(tiny_model_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
     config = write_config(tmp_path / "run.yaml", tiny_model_dir, tmp_path / "runs", total_phases=4,
                           eval_every_n_phases=2, eval_before_training=False)  # fmt: skip
     cli.main(["fit", "--config", config])
@@ -136,7 +134,6 @@ def test_evaluation_every_n_phases_and_not_before_training(tiny_model_dir, tmp_p
 
 
 def test_validate_without_held_out_prompts_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
     config = write_config(tmp_path / "run.yaml", tiny_model_dir, tmp_path / "runs", eval_prompts=None)
     with pytest.raises(SystemExit) as exit_:
         cli.main(["validate", "--config", config])
@@ -149,9 +146,7 @@ def test_validate_without_held_out_prompts_is_one_line(tiny_model_dir, tmp_path,
     assert capsys.readouterr().err.strip().splitlines()[-1] == "error: eval_every_n_phases (0) must be at least 1"
 
 
-def test_a_held_out_stream_is_one_line_before_any_weights_load(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
-    refuse_model_loading(monkeypatch, module)
+def test_a_held_out_stream_is_one_line_before_any_weights_load(tiny_model_dir, tmp_path, no_model_loading, capsys):
     stream = {"class_path": "grpo_lightning.tasks.ArithmeticProblems", "init_args": {"split": "train"}}
     config = write_config(tmp_path / "run.yaml", tiny_model_dir, tmp_path / "runs", eval_prompts=stream)
     with pytest.raises(SystemExit) as exit_:
