@@ -96,9 +96,13 @@ def test_the_first_signal_only_asks_and_the_check_raises(monkeypatch):
         assert raised.value.exit_code == 143 and str(raised.value) == "stopped by SIGTERM"
         with pytest.raises(KeyboardInterrupt):
             signal.raise_signal(signal.SIGINT)  # the second signal
+        assert stop._watchdog is not None and stop._watchdog.is_alive()
+        watchdog = stop._watchdog
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL or callable(signal.getsignal(signal.SIGTERM))
+    watchdog.join(timeout=5)  # called off by restore(): this process (pytest) goes on
+    assert not watchdog.is_alive() and stop._watchdog is None
 
 
 def test_the_resume_command_replaces_an_earlier_ckpt_path(monkeypatch):
@@ -107,3 +111,34 @@ def test_the_resume_command_replaces_an_earlier_ckpt_path(monkeypatch):
     assert resume_command(argv, "runs/v1/last.ckpt") == (
         ".venv/bin/grpo-lightning fit --config 'my run.yaml' --model.lr 1e-4 --ckpt_path runs/v1/last.ckpt"
     )
+
+
+STUCK_SHUTDOWN = """
+import signal, time
+import grpo_lightning.interrupt as interrupt
+interrupt.SECOND_SIGNAL_GRACE_S = 1.0
+interrupt.STOP.install()
+signal.raise_signal(signal.SIGINT)  # the first: a flag only
+print("asked", flush=True)
+try:
+    signal.raise_signal(signal.SIGINT)  # the second: KeyboardInterrupt, and the watchdog starts
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    time.sleep(60)  # a shutdown that hangs, as a logger's flush can
+print("never reached", flush=True)
+"""
+
+
+def test_a_stuck_shutdown_after_the_second_signal_is_ended_by_the_watchdog():
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", STUCK_SHUTDOWN], cwd=REPO, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    assert done.stdout.split() == ["asked", "interrupted"], done.stderr[-2000:]
+    assert done.returncode == 130 and took < 30  # 1 s of grace, not the 60 s sleep
+    assert "the shutdown after the second signal took more than 1 s; exiting now" in done.stderr
+
+
+def test_the_watchdog_leaves_a_process_that_exits_in_time_alone():
+    code = "import grpo_lightning.interrupt as i; i.exit_if_still_running(30, 130); print('done')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "done\n", "")
