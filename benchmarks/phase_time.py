@@ -47,7 +47,8 @@ A forward pass over b sequences that adds n new positions after c cached ones, w
     attn   = 4 * n_layers * d_attn * b * (sum of p for p = c+1 .. c+n)
                                             QK^T and attention @ V cost 2 * d_attn FLOPs each per (query, key)
                                             pair; a causal query at position p sees p keys; d_attn = heads*head_dim
-  generation = prompt forward (n = P, c = 0, L = 1) + (gen_len - 1) one-token steps (n = 1, c = P + t, L = 1)
+  generation = prompt forward, once for the group (b = 1, n = P, c = 0, L = 1: every row shares the prompt)
+               + (gen_len - 1) one-token steps (n = 1, c = P + t, L = 1)
   log-probs  = one forward of the whole group (n = P + gen_len, c = 0, L = gen_len: the unembedding runs only on
                the positions that predict generated tokens)
   learning   = 3 x the forward of every minibatch (backward = 2 x forward), summed over all minibatches; these
@@ -55,7 +56,7 @@ A forward pass over b sequences that adds n new positions after c cached ones, w
 For the embedded SmolLM2-135M (N = 106.2M, d_model = 576, V = 49152, 30 layers, d_attn = 576, P = 3 tokens for
 "<|endoftext|>This is"), one forward of the default group (128 x 33 tokens) is 1.13 TFLOP (897 GFLOP of layer matmuls,
 225 of lm head, 5 of attention), so a default learning phase is 3 x 2 passes x 1.13 = 6.8 TFLOP, and a small one
-is 3 x 0.28 = 0.84 TFLOP. Generation costs about one forward of the group (1.09 TFLOP default, 0.27 small).
+is 3 x 0.28 = 0.84 TFLOP. Generation costs about one forward of the group (1.00 TFLOP default, 0.25 small).
 
 How to read the output
 ----------------------
@@ -201,7 +202,8 @@ def forward_flops(dims: ModelDims, batch: int, new: int, cached: int, logit_posi
 def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int, finetune: str, opts) -> dict[str, int]:
     batch, gen_len = args.batch_size, args.gen_len
     seq_len = prompt_len + gen_len
-    generate = forward_flops(dims, batch, prompt_len, 0, 1) + sum(
+    # The group's rows share one prompt: sampling runs its forward on one row (grpo_lightning.fast_decode).
+    generate = forward_flops(dims, 1, prompt_len, 0, 1) + sum(
         forward_flops(dims, batch, 1, prompt_len + t, 1) for t in range(gen_len - 1)
     )
     # Chunking into minibatches does not change the count: it is linear in the batch.

@@ -10,7 +10,11 @@ LoRA adapters included, MLP, head), so the arithmetic per module is the model's,
 - keys and values go into preallocated (B, kv_heads, P + T, head_dim) buffers, written in place;
 - attention groups the query heads by key/value head ((B, kv, heads/kv * n, head_dim) against
   (B, kv, S, head_dim)), so shared keys are read where they lie instead of being copied;
-- the rotary cos/sin come from the model's own rotary module, once per sequence for all positions.
+- the rotary cos/sin come from the model's own rotary module, once per sequence for all positions;
+- a prompt that every row shares (a GRPO group: one prompt, G completions) runs once, on one row, and
+  its keys and values are copied to the G rows: the prompt's forward costs 1/G of what it did. With a
+  chat template the prompt is tens of tokens, and its forward over G rows cost as much as all decode
+  steps together.
 
 The same products in the same order as the eager forward: logits agree with it to float rounding
 (tests/test_fast_decode.py compares them). Models of another shape are sampled through their own forward.
@@ -50,8 +54,8 @@ def supports_fast_decode(model: torch.nn.Module, total_len: int) -> bool:
 class LeanDecoder:
     """Runs ``model`` over B sequences of at most ``max_len`` tokens, a few new tokens per call.
 
-    ``step(ids)`` takes (B, n) new token ids (the prompt, then one token at a time) and returns the
-    logits of the last new position, (B, V). Use under ``torch.no_grad()``."""
+    ``prompt(ids)`` takes the (B, P) prompts and ``step(ids)`` then (B, 1) new token ids, one token at a
+    time; each returns the logits of the last new position, (B, V). Use under ``torch.no_grad()``."""
 
     def __init__(self, model: torch.nn.Module, batch: int, max_len: int):
         lm = _language_model(model)
@@ -68,6 +72,16 @@ class LeanDecoder:
         probe = self.body.embed_tokens.weight[:1].unsqueeze(0)  # dtype and device for the rotary module
         cos, sin = self.body.rotary_emb(probe, positions)  # (1, max_len, head_dim) each
         self.cos, self.sin = cos[0], sin[0]
+
+    def prompt(self, ids: Tensor) -> Tensor:
+        """The first call: the prompts (B, P). Rows that are all one prompt run as one row."""
+        batch = ids.shape[0]
+        if batch == 1 or self.length or not bool((ids == ids[:1]).all()):
+            return self.step(ids)
+        logits = self.step(ids[:1])  # (1, V)
+        for cache in (self.keys, self.values):
+            cache[:] = [layer.expand(batch, *layer.shape[1:]).clone() for layer in cache]
+        return logits.expand(batch, -1)
 
     def step(self, ids: Tensor) -> Tensor:
         new = ids.shape[1]
@@ -121,6 +135,9 @@ class ModelDecoder:
     def __init__(self, model: torch.nn.Module):
         self.model, self.cache = model, None
         self.cache_arg = _cache_argument(model)
+
+    def prompt(self, ids: Tensor) -> Tensor:
+        return self.step(ids)
 
     def step(self, ids: Tensor) -> Tensor:
         cache = {} if self.cache is None else {self.cache_arg: self.cache}

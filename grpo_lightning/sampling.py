@@ -98,7 +98,7 @@ def sample_completions_with_logprobs(
     stops = None if not stop_tokens else torch.tensor(stop_tokens, device=prompt_ids.device)
     running = torch.ones(batch, 1, dtype=torch.bool, device=prompt_ids.device)  # not yet ended
     with packed_linear_weights(model, rows=batch):  # the decode steps' shape: one token per row
-        logits = decoder.step(prompt_ids).float()  # (B, V)
+        logits = decoder.prompt(prompt_ids).float()  # (B, V)
         for step in range(gen_len):
             stop_point()  # Ctrl-C / SIGTERM abandons a rollout at the next token
             weights, log_normaliser, step_entropy = softmax_parts(logits)

@@ -29,6 +29,9 @@ def test_phase_flops_counts_old_logprobs_only_when_recomputed(recompute):
     # logits at the gen_len = 3 positions that predict generated tokens
     one_forward = forward_flops(DIMS, batch=4, new=5, cached=0, logit_positions=3)
     assert flops["ref_lp"] == one_forward
+    # the prompt once, on one row: 2*1000*1*2 + 2*10*50*1 + 4*2*8*1*(1+2) = 5192; then 2 steps of 4 rows after
+    # 2 and 3 cached positions: 8000 + 4000 + 4*2*8*4*3 = 12768 and 8000 + 4000 + 4*2*8*4*4 = 13024
+    assert flops["generate"] == 5192 + 12768 + 13024
     assert flops["old_lp"] == (one_forward if recompute else 0)
     assert flops["learn"] == 3 * one_forward * 2  # forward + backward (2x), two passes
     lora = phase_flops(DIMS, args, prompt_len=2, finetune="lora", opts=opts)

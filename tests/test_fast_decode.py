@@ -45,6 +45,35 @@ def test_lean_decoder_matches_the_full_forward(tiny_model, prompt_len, attention
 
 
 @torch.no_grad()
+def test_a_prompt_shared_by_the_group_runs_once_and_decodes_as_if_run_on_every_row(tiny_model):
+    prompt = torch.randint(0, 300, (1, 4), generator=torch.Generator().manual_seed(4))
+    tokens = torch.randint(0, 300, (6, 3), generator=torch.Generator().manual_seed(5))  # each row its own
+    ids = torch.cat([prompt.repeat(6, 1), tokens], dim=1)
+    expected = full_forward(tiny_model, ids, 4)
+    decoder = LeanDecoder(tiny_model, 6, 7)
+    calls = []
+    hook = tiny_model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: calls.append(i[0].shape))
+    try:
+        first = decoder.prompt(ids[:, :4])
+    finally:
+        hook.remove()
+    assert calls == [torch.Size([1, 4, tiny_model.config.hidden_size])]  # the shared prompt ran on one row
+    assert first.shape == (6, 300) and decoder.keys[0].shape[0] == 6  # ... and every row has its cache
+    later = [decoder.step(ids[:, t : t + 1]) for t in range(4, 7)]
+    torch.testing.assert_close(torch.stack([first, *later], dim=1), expected, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_prompts_that_differ_run_row_by_row_as_before(tiny_model):
+    ids = torch.randint(0, 300, (3, 6), generator=torch.Generator().manual_seed(6))
+    ids[1, :3] = ids[0, :3]  # two rows alike are not enough: all must be
+    decoder = LeanDecoder(tiny_model, 3, 6)
+    first = decoder.prompt(ids[:, :3])
+    later = [decoder.step(ids[:, t : t + 1]) for t in range(3, 6)]
+    torch.testing.assert_close(torch.stack([first, *later], dim=1), full_forward(tiny_model, ids, 3), rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
 def test_lean_decoder_runs_lora_adapters_and_their_switch(tiny_model):
     lora = lora_with_live_adapters(tiny_model)
     ids = torch.randint(0, 300, (3, 7), generator=torch.Generator().manual_seed(1))
