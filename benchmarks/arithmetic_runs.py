@@ -25,12 +25,12 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from anywhere
+
+from benchmarks.learning_curves import timed_fit  # noqa: E402  (needs the line above as a script)
 
 
 def read_evaluations(run_dir: str) -> list[dict]:
@@ -59,15 +59,8 @@ def read_evaluations(run_dir: str) -> list[dict]:
 
 def run_seed(config: str, seed: int, root: str, extra: list[str]) -> tuple[str, float]:
     """One fit in a subprocess; returns its run directory and the whole command's seconds."""
-    command = [
-        sys.executable, "-m", "grpo_lightning", "fit", "--config", config, "--model.seed", str(seed),
-        "--trainer.default_root_dir", root, "--trainer.enable_progress_bar", "false", *extra,
-    ]  # fmt: skip
-    start = time.perf_counter()
-    completed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    seconds = time.perf_counter() - start
-    if completed.returncode != 0:
-        raise SystemExit(f"error: seed {seed} failed:\n{completed.stderr[-2000:]}")
+    seconds = timed_fit(["--config", config, "--model.seed", str(seed), "--trainer.default_root_dir", root, *extra],
+                        f"seed {seed}")  # fmt: skip
     versions = sorted(Path(root, "lightning_logs").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
     return str(versions[-1]), seconds
 

@@ -35,6 +35,18 @@ from grpo_lightning.precision import cpu_info, precision_warning
 PRECISIONS = ("32-true", "bf16-mixed")
 
 
+def timed_fit(fit_args: list[str], what: str) -> float:
+    """Runs ``grpo-lightning fit <fit_args>`` (no progress bar) in a subprocess and returns the whole
+    command's seconds; a failed run ends the script with the end of its stderr."""
+    command = [sys.executable, "-m", "grpo_lightning", "fit", "--trainer.enable_progress_bar", "false", *fit_args]
+    start = time.perf_counter()
+    completed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seconds = time.perf_counter() - start
+    if completed.returncode != 0:
+        raise SystemExit(f"error: {what} failed:\n{completed.stderr[-2000:]}")
+    return seconds
+
+
 def run_once(config: str, precision: str, seed: int, extra: list[str], keep_root: str | None = None) -> dict:
     """One fit in a subprocess; returns its per-phase mean rewards and wall time. With ``keep_root`` the run's
     directory (TensorBoard events, checkpoints) is kept under it, as ``<precision>_seed<seed>``."""
@@ -42,17 +54,9 @@ def run_once(config: str, precision: str, seed: int, extra: list[str], keep_root
 
     with tempfile.TemporaryDirectory() as tmp:
         root = os.path.join(keep_root, f"{precision}_seed{seed}") if keep_root else tmp
-        command = [
-            sys.executable, "-m", "grpo_lightning", "fit", "--config", config,
-            "--model.seed", str(seed), "--trainer.precision", precision, "--trainer.default_root_dir", root,
-            "--trainer.enable_progress_bar", "false", "--model.export_dir", "null",
-            *extra,
-        ]  # fmt: skip
-        start = time.perf_counter()
-        completed = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        seconds = time.perf_counter() - start
-        if completed.returncode != 0:
-            raise SystemExit(f"error: {precision} seed {seed} failed:\n{completed.stderr[-2000:]}")
+        fit_args = ["--config", config, "--model.seed", str(seed), "--trainer.precision", precision,
+                    "--trainer.default_root_dir", root, "--model.export_dir", "null", *extra]  # fmt: skip
+        seconds = timed_fit(fit_args, f"{precision} seed {seed}")
         events = EventAccumulator(os.path.join(root, "lightning_logs", "version_0"), size_guidance={"scalars": 0})
         events.Reload()
         rewards = [event.value for event in events.Scalars("rollout/reward_mean")]
