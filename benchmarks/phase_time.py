@@ -35,7 +35,11 @@ Workloads: "default" is the reference's setting (batch 128, gen_len 30, 4 miniba
 Each (workload, precision, finetune) runs in a fresh subprocess, so its peak resident memory (ru_maxrss, the
 maximum over the process's whole life, read at the end of training) belongs to it alone. Each subprocess first
 runs one warm-up phase that is not counted: it allocates the AdamW state and primes the oneDNN kernels. The table shows the
-mean of the --phases measured phases, and the JSON (--out) keeps every phase.
+mean of the --phases measured phases, and the JSON (--out) keeps every phase. Like the command line, each
+subprocess keeps the memory it frees for reuse (``grpo_lightning.machine.keep_freed_memory_for_reuse``;
+GRPO_LIGHTNING_KEEP_FREED_MEMORY=0 measures glibc's default instead), and fp32 decode products go through the
+library chosen for this CPU (``grpo_lightning.packed_linear``; GRPO_LIGHTNING_DECODE_MATMUL=mkl|onednn|aten
+chooses one).
 
 FLOP model (matmuls only: elementwise ops, softmax, norms and the optimizer are not counted)
 ---------------------------------------------------------------------------------------------
@@ -95,7 +99,8 @@ import torch
 import transformers
 
 from grpo_lightning import GRPO_Args, GRPOModule
-from grpo_lightning.machine import competing_processes, matmul_gflops
+from grpo_lightning.machine import competing_processes, keep_freed_memory_for_reuse, matmul_gflops
+from grpo_lightning.packed_linear import decode_matmul_backend
 from grpo_lightning.precision import cpu_info, precision_warning
 from grpo_lightning.sampling import encode_prompt
 
@@ -226,7 +231,7 @@ def run_meta() -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
-        "cpu": {"model": cpu.model, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
+        "cpu": {"model": cpu.model, "vendor": cpu.vendor, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
         "cpu_count": psutil.cpu_count(),
     }
 
@@ -295,6 +300,7 @@ def busy_machine_warning(sample_s: float = 1.0) -> str | None:
 
 
 def measure(workload: str, precision: str, phases: int, model: str | None, finetune: str, opts) -> dict:
+    keeps_freed_memory = keep_freed_memory_for_reuse()  # as the command line does
     loadavg_start = os.getloadavg()[0]
     native_bf16 = cpu_info().native_bf16
     peaks = square_gemm_peaks(native_bf16)
@@ -346,6 +352,8 @@ def measure(workload: str, precision: str, phases: int, model: str | None, finet
         "peak_rss_mib": peak_rss,
         "checkpoint_mib": checkpoint_size,
         "cpu_util": cpu_util,
+        "decode_matmul": decode_matmul_backend() if precision == "32-true" else "autocast (oneDNN bf16)",
+        "keeps_freed_memory": keeps_freed_memory,
     }
 
 
@@ -422,7 +430,10 @@ def machine_line(results: list[dict]) -> str:
     peaks = results[0]["matmul_peak_gflops_per_s"]
     bf16 = f"bf16 {peaks['bf16']:.0f}" + ("" if cpu.native_bf16 else f" (emulated; {EMULATED_GEMM_SIZE}^3)")
     kind = "native bf16" if cpu.native_bf16 else "no native bf16"
-    return f"CPU: {cpu.describe()}, {kind}; matmul peak GFLOP/s: fp32 {peaks['fp32']:.0f}, {bf16}"
+    return (
+        f"CPU: {cpu.describe()}, {kind}; matmul peak GFLOP/s: fp32 {peaks['fp32']:.0f}, {bf16}; "
+        f"fp32 decode products: {decode_matmul_backend()}"
+    )
 
 
 def report(results: list[dict], phases: int, warning: str | None) -> str:

@@ -30,6 +30,7 @@ from .config import GRPOConfigError, GRPOError
 from .distributed import check_process_split, explain_strategy_error, planned_processes
 from .input_checks import check_run_dir, explain_instantiation_error, explain_parser_error, prepare_argv
 from .interrupt import STOP, StopRequested
+from .machine import keep_freed_memory_for_reuse
 from .module import GRPOModule
 from .precision import choose_precision, precision_warning, resolve_accelerator
 from .resume import ResumeError, check_resume, read_checkpoint_settings, resolve_ckpt_path
@@ -171,6 +172,7 @@ def main(args=None) -> int | None:
         return reward_model(argv[1:])
     # Offline, huggingface_hub logs each of its connection retries; models.py fails at once instead.
     logging.getLogger("huggingface_hub.utils._http").setLevel(logging.ERROR)
+    keep_freed_memory_for_reuse()  # each learning step's large tensors reuse the last step's memory
     STOP.install()
     try:
         prepared = prepare_argv(argv)

@@ -60,6 +60,7 @@ from .objectives import (
     get_logprobs_batched,
 )
 from .optim import get_optimizer_and_scheduler
+from .packed_linear import packed_linear_weights
 from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen_keys
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
@@ -401,7 +402,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             return None
         reference = self.ref_model if self.lora is None else self.policy
         context = self.policy.disable_adapter() if self.lora is not None else contextlib.nullcontext()
-        with context:
+        # fp32 on a CPU where oneDNN multiplies faster than F.linear (packed_linear.py): 6-8 % of this pass
+        with context, packed_linear_weights(reference, rows=None):
             chunk = self.phase_args.minibatch_size
             return get_logprobs_batched(reference, sample_ids, self.args.gen_len, chunk, attention_mask)
 

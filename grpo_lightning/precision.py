@@ -23,6 +23,7 @@ NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 class CpuInfo:
     model: str
     features: tuple[str, ...]  # names from CPU_FEATURES that this CPU has
+    vendor: str = ""  # "GenuineIntel", "AuthenticAMD", ... ("" where /proc/cpuinfo does not say)
 
     @property
     def native_bf16(self) -> bool:
@@ -45,6 +46,15 @@ def parse_cpuinfo(text: str) -> tuple[str | None, set[str]]:
     return model, flags
 
 
+def parse_cpu_vendor(text: str) -> str:
+    """The first processor's vendor_id in the text of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or ""."""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
 def _read_cpuinfo() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -57,14 +67,16 @@ def cpu_info() -> CpuInfo:
     """This CPU's model and the features that decide its speed in fp32 and bf16.
 
     Linux reports them in /proc/cpuinfo; elsewhere PyTorch's own checks say whether bf16 is native."""
-    model, flags = parse_cpuinfo(_read_cpuinfo())
+    text = _read_cpuinfo()
+    model, flags = parse_cpuinfo(text)
     torch_cpu = getattr(torch, "cpu", None)
     if getattr(torch_cpu, "_is_avx512_bf16_supported", lambda: False)():
         flags.add("avx512_bf16")
     if getattr(torch_cpu, "_is_amx_tile_supported", lambda: False)():
         flags.add("amx_bf16")
     features = tuple(name for flag, name in CPU_FEATURES.items() if flag in flags)
-    return CpuInfo(model=model or platform.processor() or platform.machine() or "unknown CPU", features=features)
+    name = model or platform.processor() or platform.machine() or "unknown CPU"
+    return CpuInfo(model=name, features=features, vendor=parse_cpu_vendor(text))
 
 
 def cpu_has_native_bf16() -> bool:

@@ -51,6 +51,14 @@ def test_unknown_option_is_one_line_too(capsys, no_model_loading):
     )
 
 
+def test_fit_keeps_freed_memory_for_the_next_step(monkeypatch, no_model_loading):
+    calls = []
+    monkeypatch.setattr(cli, "keep_freed_memory_for_reuse", lambda: calls.append(True))
+    with pytest.raises(SystemExit):
+        cli.main(["fit", "--model.batch_szie", "3"])
+    assert calls == [True]  # set before anything is parsed or loaded (machine.keep_freed_memory_for_reuse)
+
+
 @pytest.mark.parametrize("config", EXPERIMENTS, ids=os.path.basename)
 def test_every_experiment_config_parses_and_instantiates(config, no_model_loading, tmp_path):
     # A learned reward names a reward model directory, which only a `reward-model fit` run makes: any directory here.

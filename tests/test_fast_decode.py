@@ -1,5 +1,5 @@
 """The sampling fast path computes what the model computes: the lean decoder against the model's own forward
-(plain, GQA, LoRA, bf16 autocast), packed weights against F.linear, and the per-step softmax by hand."""
+(plain, GQA, LoRA, bf16 autocast), the decode products (MKL packed, oneDNN) against F.linear, and the per-step softmax by hand."""
 
 from __future__ import annotations
 
@@ -8,11 +8,13 @@ import math
 import pytest
 import torch
 from conftest import build_tiny_llama
-from transformers import AutoModelForCausalLM
 
 from grpo_lightning.fast_decode import LeanDecoder, ModelDecoder, make_decoder, supports_fast_decode
 from grpo_lightning.lora import LoraSettings, apply_lora
+from grpo_lightning import packed_linear
+from grpo_lightning.config import GRPOError
 from grpo_lightning.packed_linear import packed_linear_weights, packing_available
+from grpo_lightning.precision import CpuInfo
 from grpo_lightning.sampling import softmax_parts
 
 
@@ -107,21 +109,74 @@ def test_other_shapes_and_long_sequences_use_the_models_forward(tiny_model):
         LeanDecoder(tiny_model, 1, 4).step(torch.zeros(1, 5, dtype=torch.long))
 
 
+BACKEND_AVAILABLE = {"mkl": packed_linear._mkl_available(), "onednn": packed_linear._onednn_available()}
+needs_backend = pytest.mark.parametrize(
+    "backend", [pytest.param(name, marks=pytest.mark.skipif(not ok, reason=f"this PyTorch has no {name}")) for name, ok in BACKEND_AVAILABLE.items()]
+)
+
+
+@pytest.fixture
+def decode_matmul(monkeypatch):
+    """Chooses the decode products' library by name, as a user would with the environment variable."""
+    return lambda name: monkeypatch.setenv(packed_linear.DECODE_MATMUL_ENV, name)
+
+
+@needs_backend
 @torch.no_grad()
-def test_packed_weights_give_f_linear_results_for_their_row_count_only():
+def test_decode_products_give_f_linear_results(decode_matmul, backend):
+    decode_matmul(backend)
     layer = torch.nn.Linear(96, 80)
-    other = torch.nn.Linear(8, 8)  # too small to pack: left alone
+    other = torch.nn.Linear(8, 8)  # too small to prepare: left alone
     model = torch.nn.Sequential(layer, other)
     x = torch.randn(6, 1, 96)
-    assert packing_available(model) == torch.backends.mkl.is_available()
-    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    assert packing_available(model)
     with packed_linear_weights(model, rows=6):
-        if packing_available(model):
-            assert "forward" in vars(layer) and "forward" not in vars(other)
-        torch.testing.assert_close(layer(x), expected, rtol=1e-6, atol=1e-6)
-        x7 = torch.randn(7, 96)  # another row count: the ordinary product
-        torch.testing.assert_close(layer(x7), torch.nn.functional.linear(x7, layer.weight, layer.bias), rtol=0, atol=0)
+        assert "forward" in vars(layer) and "forward" not in vars(other)
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)
+        x7 = torch.randn(7, 96)  # another row count: MKL's packing does not fit it, the ordinary product runs
+        exact = backend == "mkl"
+        expected7 = torch.nn.functional.linear(x7, layer.weight, layer.bias)
+        torch.testing.assert_close(layer(x7), expected7, rtol=0 if exact else 1e-6, atol=0 if exact else 1e-6)
     assert "forward" not in vars(layer)  # restored
+
+
+@needs_backend
+@torch.no_grad()
+def test_passes_of_any_row_count_use_onednn_only(decode_matmul, backend):
+    decode_matmul(backend)
+    layer = torch.nn.Linear(96, 80)
+    x = torch.randn(3, 11, 96)
+    with packed_linear_weights(layer, rows=None):  # the reference's forward: rows vary, nothing to pack for
+        assert ("forward" in vars(layer)) == (backend == "onednn")
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "vendor, expected",
+    [("GenuineIntel", "mkl"), ("AuthenticAMD", "onednn"), ("", "onednn")],  # MKL's fast paths are Intel's own
+)
+def test_the_decode_library_follows_the_cpu_vendor(monkeypatch, vendor, expected):
+    monkeypatch.delenv(packed_linear.DECODE_MATMUL_ENV, raising=False)
+    monkeypatch.setattr(packed_linear, "cpu_info", lambda: CpuInfo(model="x", features=(), vendor=vendor))
+    monkeypatch.setattr(packed_linear, "_mkl_available", lambda: True)
+    monkeypatch.setattr(packed_linear, "_onednn_available", lambda: True)
+    assert packed_linear.decode_matmul_backend() == expected
+    monkeypatch.setattr(packed_linear, "_onednn_available", lambda: False)  # e.g. a build without oneDNN
+    assert packed_linear.decode_matmul_backend() == "mkl"
+    monkeypatch.setattr(packed_linear, "_mkl_available", lambda: False)
+    assert packed_linear.decode_matmul_backend() == "aten"
+    assert not packing_available(torch.nn.Linear(96, 80))
+
+
+def test_the_decode_library_can_be_chosen_by_name(monkeypatch, decode_matmul):
+    monkeypatch.setattr(packed_linear, "_mkl_available", lambda: True)
+    monkeypatch.setattr(packed_linear, "_onednn_available", lambda: False)
+    for name, expected in (("MKL", "mkl"), ("aten", "aten"), ("onednn", "aten")):  # not in this build: F.linear
+        decode_matmul(name)
+        assert packed_linear.decode_matmul_backend() == expected
+    decode_matmul("cublas")
+    with pytest.raises(GRPOError, match=r"GRPO_LIGHTNING_DECODE_MATMUL='cublas' is not one of mkl, onednn, aten \(or unset it\)"):
+        packed_linear.decode_matmul_backend()
 
 
 def test_packing_is_off_under_autocast_and_with_gradients():
@@ -154,8 +209,9 @@ def lora_with_live_adapters(model):
     return lora
 
 
-@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="MKL packing needs MKL")
-def test_packed_lora_layers_compute_the_adapted_and_the_switched_off_model():
+@needs_backend
+def test_packed_lora_layers_compute_the_adapted_and_the_switched_off_model(decode_matmul, backend):
+    decode_matmul(backend)
     model = build_tiny_llama(vocab_size=300, seed=4)
     lora = lora_with_live_adapters(model)  # its projections are below MIN_PACKED_WEIGHT: lowered below
     ids = torch.randint(0, 300, (3, 6), generator=torch.Generator().manual_seed(5))
@@ -163,8 +219,6 @@ def test_packed_lora_layers_compute_the_adapted_and_the_switched_off_model():
         with_adapters = lora(input_ids=ids).logits
         with lora.disable_adapter():
             without = lora(input_ids=ids).logits
-    import grpo_lightning.packed_linear as packed_linear
-
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
         with torch.no_grad(), packed_linear_weights(lora, rows=3 * 6):  # the whole sequence: every product packed

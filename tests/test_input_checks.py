@@ -3,7 +3,6 @@ command line), and trust_remote_code staying off unless asked for."""
 
 from __future__ import annotations
 
-import os
 import socket
 import struct
 from types import SimpleNamespace

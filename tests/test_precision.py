@@ -40,6 +40,9 @@ def test_parse_cpuinfo_reads_the_first_model_and_flags():
     )
     assert precision.parse_cpuinfo(text) == ("AMD EPYC 7B13 64-Core Processor", {"fpu", "sse2", "avx2", "fma", "bmi2"})
     assert precision.parse_cpuinfo("") == (None, set())
+    assert precision.parse_cpu_vendor(text) == "AuthenticAMD"
+    assert precision.parse_cpu_vendor("processor\t: 0\nvendor_id\t: GenuineIntel\n") == "GenuineIntel"
+    assert precision.parse_cpu_vendor("") == ""  # not Linux, or an Arm CPU (no vendor_id line)
 
 
 @pytest.mark.parametrize("cpu, native", [(ZEN3, False), (SAPPHIRE_RAPIDS, True), (ZEN4, True)])
