@@ -28,6 +28,7 @@ bf16 kernels already), and under ``torch.no_grad``: with gradients enabled a lay
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import torch
@@ -51,6 +52,11 @@ def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@functools.cache
+def _cpu_vendor() -> str:
+    return cpu_info().vendor  # read once: /proc/cpuinfo does not change, and every rollout asks
+
+
 def decode_matmul_backend() -> str:
     """``"mkl"``, ``"onednn"`` or ``"aten"``: the library for this CPU's decode products (module docstring).
 
@@ -62,7 +68,7 @@ def decode_matmul_backend() -> str:
             raise GRPOError(f"{DECODE_MATMUL_ENV}={chosen!r} is not one of {', '.join(DECODE_MATMUL_BACKENDS)} (or unset it)")
         available = {"mkl": _mkl_available(), "onednn": _onednn_available(), "aten": True}[chosen]
         return chosen if available else "aten"
-    if cpu_info().vendor == "GenuineIntel" and _mkl_available():
+    if _cpu_vendor() == "GenuineIntel" and _mkl_available():
         return "mkl"
     if _onednn_available():
         return "onednn"

@@ -14,7 +14,6 @@ from grpo_lightning.lora import LoraSettings, apply_lora
 from grpo_lightning import packed_linear
 from grpo_lightning.config import GRPOError
 from grpo_lightning.packed_linear import packed_linear_weights, packing_available
-from grpo_lightning.precision import CpuInfo
 from grpo_lightning.sampling import softmax_parts
 
 
@@ -157,7 +156,7 @@ def test_passes_of_any_row_count_use_onednn_only(decode_matmul, backend):
 )
 def test_the_decode_library_follows_the_cpu_vendor(monkeypatch, vendor, expected):
     monkeypatch.delenv(packed_linear.DECODE_MATMUL_ENV, raising=False)
-    monkeypatch.setattr(packed_linear, "cpu_info", lambda: CpuInfo(model="x", features=(), vendor=vendor))
+    monkeypatch.setattr(packed_linear, "_cpu_vendor", lambda: vendor)
     monkeypatch.setattr(packed_linear, "_mkl_available", lambda: True)
     monkeypatch.setattr(packed_linear, "_onednn_available", lambda: True)
     assert packed_linear.decode_matmul_backend() == expected
