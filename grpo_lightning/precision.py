@@ -33,26 +33,25 @@ class CpuInfo:
         return f"{self.model} ({', '.join(self.features) or 'none of ' + '/'.join(CPU_FEATURES.values())})"
 
 
-def parse_cpuinfo(text: str) -> tuple[str | None, set[str]]:
-    """The first processor's model name and flags in the text of /proc/cpuinfo (x86 "flags", Arm "Features")."""
-    model, flags = None, set()
+def _first_values(text: str) -> dict[str, str]:
+    """Each key of the text of /proc/cpuinfo with its first value (the first processor's, for per-CPU keys)."""
+    values: dict[str, str] = {}
     for line in text.splitlines():
         key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and model is None:
-            model = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
-    return model, flags
+        values.setdefault(key.strip(), value.strip())
+    return values
+
+
+def parse_cpuinfo(text: str) -> tuple[str | None, set[str]]:
+    """The first processor's model name and flags in the text of /proc/cpuinfo (x86 "flags", Arm "Features")."""
+    values = _first_values(text)
+    flags = values.get("flags") or values.get("Features") or ""
+    return values.get("model name"), set(flags.split())
 
 
 def parse_cpu_vendor(text: str) -> str:
     """The first processor's vendor_id in the text of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD"), or ""."""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    return _first_values(text).get("vendor_id", "")
 
 
 def _read_cpuinfo() -> str:
