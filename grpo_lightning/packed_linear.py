@@ -11,7 +11,7 @@ x86) is far from the CPU's fp32 matmul peak, and which library does better depen
   The weights do not change during a rollout, so they are packed once at its start for exactly B rows.
 - ``"onednn"``: oneDNN's fp32 inner product on the weights as they are (no copy, any row count). On an
   AMD EPYC (Zen 4) it reached 65-73 % of the peak at B = 32 and about all of it at B = 128, where MKL,
-  packed or not, reached 40-55 % and 65-85 %: MKL takes slower code paths on CPUs that are not Intel's.
+  packed or not, reached 40-55 % and 65-80 %: MKL takes slower code paths on CPUs that are not Intel's.
 - ``"aten"``: ``F.linear`` itself, where neither library is present.
 
 ``decode_matmul_backend`` picks by the CPU's vendor (deterministically: a run and its resumed run multiply
