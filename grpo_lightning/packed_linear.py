@@ -9,9 +9,11 @@ x86) is far from the CPU's fp32 matmul peak, and which library does better depen
 - ``"mkl"``: MKL's packed sgemm, the weight laid out once in the kernel's own blocked format. On an
   Intel Xeon (Sapphire Rapids) it reached 80-95 % of the peak at B = 32, where ``F.linear`` reached half.
   The weights do not change during a rollout, so they are packed once at its start for exactly B rows.
-- ``"onednn"``: oneDNN's fp32 inner product on the weights as they are (no copy, any row count). On an
-  AMD EPYC (Zen 4) it reached 65-73 % of the peak at B = 32 and about all of it at B = 128, where MKL,
-  packed or not, reached 40-55 % and 65-80 %: MKL takes slower code paths on CPUs that are not Intel's.
+- ``"onednn"``: oneDNN's fp32 inner product, the weight laid out once in oneDNN's blocked format; that
+  layout serves any row count. On an AMD EPYC (Zen 4) the model's decode products ran at about 80 % of
+  the peak at B = 32 (53 % for the thin key/value products, 88 % for the MLP's) and about all of it at
+  B = 128, where MKL, packed or not, reached 40-55 % and 65-80 %: MKL takes slower code paths on CPUs that
+  are not Intel's.
 - ``"aten"``: ``F.linear`` itself, where neither library is present.
 
 ``decode_matmul_backend`` picks by the CPU's vendor (deterministically: a run and its resumed run multiply
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -88,32 +91,77 @@ def packing_available(model: torch.nn.Module) -> bool:
     )
 
 
-def _packed_forward(module: torch.nn.Module, weight: Tensor, bias: Tensor | None, rows: int, backend: str):
-    """A forward for ``module`` computing ``F.linear(x, weight, bias)`` through ``backend`` ("mkl": ``weight``
-    packed for inputs of ``rows`` rows; "onednn": any rows). With gradients enabled it is the module's own
-    forward (these products have no backward)."""
-    own_forward = type(module).forward.__get__(module)
+def _product(weight: Tensor, bias: Tensor | None, rows: int | None, backend: str) -> Callable[[Tensor], Tensor]:
+    """``x -> F.linear(x, weight, bias)`` through ``backend`` ("mkl": ``weight`` packed for inputs of ``rows``
+    rows, other inputs take ``F.linear``; "onednn": any rows), for use without gradients (no backward)."""
     weight = weight.detach()
     bias = None if bias is None else bias.detach()
     if backend == "onednn":
-
-        def forward(x: Tensor) -> Tensor:
-            if torch.is_grad_enabled():
-                return own_forward(x)
-            return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-        return forward
+        # oneDNN's blocked layout, laid out once: a product on the plain weight reorders it on every call
+        # (measured on 2 Zen 4 cores, B = 32, weights cold: 55-128 GFLOP/s plain, 97-162 blocked). The
+        # layout serves any row count; ``rows`` is only a hint, and the results are the plain weight's.
+        blocked = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        return lambda x: torch.ops.mkldnn._linear_pointwise(x, blocked, bias, "none", [], "")
 
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
 
-    def forward(x: Tensor) -> Tensor:
-        if torch.is_grad_enabled():
-            return own_forward(x)
+    def product(x: Tensor) -> Tensor:
         if x.numel() // x.shape[-1] != rows:  # e.g. the prompt's forward
             return F.linear(x, weight, bias)
         return torch.ops.mkl._mkl_linear(x, packed, weight, bias, rows)
 
+    return product
+
+
+def _packed_forward(module: torch.nn.Module, weight: Tensor, bias: Tensor | None, rows: int | None, backend: str):
+    """A forward for ``module`` computing ``F.linear(x, weight, bias)`` through ``backend`` (``_product``).
+    With gradients enabled it is the module's own forward (these products have no backward)."""
+    own_forward = type(module).forward.__get__(module)
+    product = _product(weight, bias, rows, backend)
+
+    def forward(x: Tensor) -> Tensor:
+        return own_forward(x) if torch.is_grad_enabled() else product(x)
+
     return forward
+
+
+def _linear_weight(module: torch.nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """``(weight, bias)`` of the linear map ``module`` computes: an ``nn.Linear``'s own, or a peft LoRA layer's
+    merged weight with its adapters on (its base layer's with them off). None for anything more than one
+    linear map (another module, a LoRA variant such as DoRA)."""
+    if type(module) is torch.nn.Linear:
+        return module.weight, module.bias
+    delta = _active_lora_delta(module)
+    if delta is not None:
+        return module.base_layer.weight + delta, module.base_layer.bias
+    if not (hasattr(module, "get_delta_weight") and isinstance(getattr(module, "base_layer", None), torch.nn.Linear)):
+        return None
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    adapters_on = bool(active) and not (module.disable_adapters or module.merged)
+    return None if adapters_on else (module.base_layer.weight, module.base_layer.bias)  # on here: a variant
+
+
+def prepared_product(modules: Sequence[torch.nn.Module], rows: int | None) -> Callable[[Tensor], Tensor] | None:
+    """One product giving what the linear layers ``modules``, which read the same input, give side by side:
+    ``x -> torch.cat([m(x) for m in modules], -1)``, through ``decode_matmul_backend()`` and without gradients.
+    One product instead of several runs thin outputs (the key and value projections) nearer the peak.
+
+    ``rows``: as for ``packed_linear_weights``. None where the products do not apply (``packing_available``),
+    where the weights are small (below ``MIN_PACKED_WEIGHT`` in all) or where a module is more than a linear
+    map (``_linear_weight``): the caller then runs the modules themselves. A product computes with the weights
+    as they were when it was prepared: prepare it again after they change (an optimizer step)."""
+    backend = decode_matmul_backend()
+    if not modules or not packing_available(modules[0]) or (rows is None and backend == "mkl"):
+        return None
+    weights = [_linear_weight(module) for module in modules]
+    if any(pair is None for pair in weights) or sum(w.numel() for w, _ in weights) < MIN_PACKED_WEIGHT:
+        return None
+    with torch.no_grad():
+        weight = torch.cat([w for w, _ in weights]) if len(weights) > 1 else weights[0][0]
+        bias = None
+        if any(b is not None for _, b in weights):  # e.g. Qwen2's q/k/v; a layer without one adds zeros
+            bias = torch.cat([b if b is not None else w.new_zeros(w.shape[0]) for w, b in weights])
+        return _product(weight, bias, rows, backend)
 
 
 def _active_lora_delta(layer: torch.nn.Module) -> Tensor | None:
@@ -133,10 +181,11 @@ def packed_linear_weights(model: torch.nn.Module, rows: int | None):
     """Within the block, ``model``'s linear layers multiply without gradients through ``decode_matmul_backend()``.
 
     ``rows`` is the number of token positions per decode step (the group size B), which MKL packs for;
-    None for passes of any row count (the reference's), where only oneDNN, which needs no packing, applies. A
-    LoRA layer whose adapters are on is prepared as one merged weight ``W + scaling * B @ A`` (the same
-    function, one product instead of three); with its adapters off, its base layer is. MKL's packing takes
-    one pass over the weights and as much memory again as the linear weights; both are freed at the end."""
+    None for passes of any row count (the reference's), where only oneDNN, whose layout fits any row count,
+    applies. A LoRA layer whose adapters are on is prepared as one merged weight ``W + scaling * B @ A`` (the
+    same function, one product instead of three); with its adapters off, its base layer is. Laying the
+    weights out takes one pass over them and as much memory again as the linear weights; both are freed at
+    the end."""
     backend = decode_matmul_backend()
     # rows=None: passes of varying row counts (the reference's), which MKL's packing cannot serve.
     if not packing_available(model) or (rows is None and backend == "mkl"):

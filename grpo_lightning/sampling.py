@@ -9,12 +9,13 @@ the positions after it are padding, marked 0 in a completion mask, so the batch 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from .fast_decode import make_decoder
+from .fast_decode import ModelDecoder, make_decoder
 from .interrupt import stop_point
 from .packed_linear import packed_linear_weights
 
@@ -97,7 +98,9 @@ def sample_completions_with_logprobs(
     new_ids, logprobs, entropy, alive = [], [], [], []
     stops = None if not stop_tokens else torch.tensor(stop_tokens, device=prompt_ids.device)
     running = torch.ones(batch, 1, dtype=torch.bool, device=prompt_ids.device)  # not yet ended
-    with packed_linear_weights(model, rows=batch):  # the decode steps' shape: one token per row
+    # The lean decoder prepares its own products; the model's own forward gets its linear layers prepared in place.
+    products = packed_linear_weights(model, rows=batch) if isinstance(decoder, ModelDecoder) else contextlib.nullcontext()
+    with products:
         logits = decoder.prompt(prompt_ids).float()  # (B, V)
         for step in range(gen_len):
             stop_point()  # Ctrl-C / SIGTERM abandons a rollout at the next token

@@ -232,3 +232,99 @@ def test_packed_lora_layers_compute_the_adapted_and_the_switched_off_model(decod
     grads = [p.grad for n, p in lora.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
     assert not any("forward" in vars(m) for m in lora.modules())  # all restored
+
+
+def build_tiny_qwen2(vocab_size: int = 300, seed: int = 0):
+    """Qwen2's query/key/value projections have biases, its output projection has none."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    model = Qwen2ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("proj.bias"):  # initialised to 0: make them count
+                param.normal_(0.0, 0.5)
+    return model
+
+
+@needs_backend
+@torch.no_grad()
+def test_a_prepared_product_gives_what_its_layers_give_side_by_side(decode_matmul, backend):
+    decode_matmul(backend)
+    q, k, v = torch.nn.Linear(96, 80), torch.nn.Linear(96, 48, bias=False), torch.nn.Linear(96, 48)
+    x = torch.randn(6, 1, 96)
+    expected = torch.cat([q(x), k(x), v(x)], dim=-1)  # (6, 1, 176); k's part has no bias: zeros are added
+    qkv = packed_linear.prepared_product((q, k, v), rows=6)
+    torch.testing.assert_close(qkv(x), expected, rtol=1e-6, atol=1e-6)
+    x3 = torch.randn(3, 96)  # another row count (MKL: the plain product on the joined weight)
+    torch.testing.assert_close(qkv(x3), torch.cat([q(x3), k(x3), v(x3)], dim=-1), rtol=1e-6, atol=1e-6)
+    one = packed_linear.prepared_product((k,), rows=6)
+    torch.testing.assert_close(one(x), k(x), rtol=1e-6, atol=1e-6)
+    with torch.no_grad():
+        q.weight.add_(1.0)  # the product was prepared from the weights as they were
+    torch.testing.assert_close(qkv(x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_no_prepared_product_where_the_modules_must_run_themselves(monkeypatch, decode_matmul):
+    layer = torch.nn.Linear(96, 80)
+    assert packed_linear.prepared_product((torch.nn.Linear(8, 8),), rows=4) is None  # too small to be worth it
+    assert packed_linear.prepared_product((torch.nn.LayerNorm(96), layer), rows=4) is None  # not a linear map
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packed_linear.prepared_product((layer,), rows=4) is None
+    decode_matmul("aten")
+    assert packed_linear.prepared_product((layer,), rows=4) is None
+    decode_matmul("mkl")
+    if BACKEND_AVAILABLE["mkl"]:
+        assert packed_linear.prepared_product((layer,), rows=None) is None  # MKL packs for one row count only
+
+
+@needs_backend
+@torch.no_grad()
+def test_prepared_lora_products_are_the_adapted_and_the_switched_off_layers(decode_matmul, backend):
+    decode_matmul(backend)
+    lora = lora_with_live_adapters(build_tiny_llama(vocab_size=300, seed=4))
+    attn = lora.get_base_model().model.layers[0].self_attn
+    x = torch.randn(5, 1, 32)
+    modules = (attn.q_proj, attn.k_proj, attn.v_proj)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
+        adapted = torch.cat([m(x) for m in modules], dim=-1)
+        torch.testing.assert_close(packed_linear.prepared_product(modules, rows=5)(x), adapted, rtol=1e-5, atol=1e-5)
+        with lora.disable_adapter():
+            base = torch.cat([m(x) for m in modules], dim=-1)
+            torch.testing.assert_close(packed_linear.prepared_product(modules, rows=5)(x), base, rtol=1e-5, atol=1e-5)
+        assert (adapted - base).abs().max() > 0.1
+        attn.q_proj.lora_variant = {"default": object()}  # e.g. DoRA: more than a weight delta
+        assert packed_linear.prepared_product(modules, rows=5) is None
+
+
+@needs_backend
+@pytest.mark.parametrize("build", [build_tiny_llama, build_tiny_qwen2], ids=["llama", "qwen2-biases"])
+@torch.no_grad()
+def test_lean_decoder_on_prepared_products_matches_the_full_forward(decode_matmul, backend, build, monkeypatch):
+    decode_matmul(backend)
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)  # the tiny layers too
+    model = build(vocab_size=300, seed=5)
+    prompt = torch.randint(0, 300, (1, 3), generator=torch.Generator().manual_seed(7))
+    ids = torch.cat([prompt.repeat(4, 1), torch.randint(0, 300, (4, 4), generator=torch.Generator().manual_seed(8))], dim=1)
+    decoder = LeanDecoder(model, 4, 7)
+    calls = []
+    hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: calls.append(1))
+    try:
+        logits = torch.stack([decoder.prompt(ids[:, :3]), *(decoder.step(ids[:, t : t + 1]) for t in range(3, 7))], dim=1)
+    finally:
+        hook.remove()
+    assert calls == []  # the prepared products ran, not the modules
+    torch.testing.assert_close(logits, full_forward(model, ids, 3), rtol=0, atol=1e-5)
+
+
+def test_lean_decoder_built_with_gradients_on_runs_the_modules(tiny_model, monkeypatch):
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
+    decoder = LeanDecoder(tiny_model, 2, 4)  # gradients on: the prepared products (no backward) are not used
+    attn = tiny_model.model.layers[0].self_attn
+    assert decoder.products[0].o is attn.o_proj and decoder.head is tiny_model.lm_head
+    logits = decoder.step(torch.tensor([[1, 2], [3, 4]]))
+    logits.sum().backward()
+    assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.abs().sum() > 0
