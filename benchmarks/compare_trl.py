@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     tag = f"{opts.workload}_{finetune}_{opts.precision}"
     ours_json = os.path.join(opts.out_dir, f"compare_ours_{tag}.json")
     trl_json = os.path.join(opts.out_dir, f"compare_trl_{tag}.json")
+    os.makedirs(os.path.join(REPO, opts.out_dir), exist_ok=True)  # before the runs, not after them
     python = os.path.join(".venv", "bin", "python")
     trl_python = os.path.join(".venv-trl", "bin", "python")
     if not os.path.exists(os.path.join(REPO, trl_python)):

@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     opts, extra = parser.parse_known_args(argv)  # anything else goes to grpo-lightning fit, e.g. --model.lr 1e-4
     if not os.path.isfile(opts.config):
         parser.error(f"no config file at {opts.config}")
+    if opts.out:  # the folder first: minutes of runs must not end in a FileNotFoundError
+        os.makedirs(os.path.dirname(os.path.abspath(opts.out)), exist_ok=True)
     cpu = cpu_info()
     if not cpu.native_bf16 and "bf16-mixed" in opts.precisions:
         print(f"warning: {precision_warning('bf16-mixed', 'cpu')}", file=sys.stderr, flush=True)

@@ -236,6 +236,13 @@ def run_meta() -> dict:
     }
 
 
+def make_output_dir(path: str | None) -> None:
+    """Creates the folder ``--out`` writes into before any measuring, so a long run never ends in a
+    FileNotFoundError that throws its numbers away."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+
 def write_results(path: str, results: list[dict], phases: int, warning: str | None, **meta) -> None:
     """The JSON of a benchmark run: the machine and the run (``run_meta``, plus ``meta``), and every result."""
     meta = {**run_meta(), **meta, "phases": phases, "warmup_phases": WARMUP_PHASES, "busy_warning": warning}
@@ -505,6 +512,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(result, f)
         return
 
+    make_output_dir(opts.out)
     warning = busy_machine_warning()
     if warning:
         print(warning, file=sys.stderr, flush=True)

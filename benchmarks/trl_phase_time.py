@@ -126,6 +126,7 @@ from benchmarks.phase_time import (
     cpu_seconds,
     flop_limit_s,
     format_table,
+    make_output_dir,
     model_dims,
     peak_rss_mib,
     phase_flops,
@@ -504,6 +505,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(result, f)
         return
 
+    make_output_dir(opts.out)
     warning = busy_machine_warning()
     if warning:
         print(warning, file=sys.stderr, flush=True)

@@ -113,3 +113,24 @@ def test_arithmetic_runs_reads_each_evaluation_with_its_phase_and_minutes(tmp_pa
     # noise: sqrt(0.25 * 0.75 / 48) = 0.0625; the last evaluation within 30 minutes is the start (+0.0 SE)
     assert "start 25.0% (n=48, standard error 6.2 points); last within 30 min: phase 0 25.0% (+0.0 SE)" in text
     assert "end: phase 2 50.0% at 31.0 min" in text and "mean over 1 seed(s): +25.0 points" in text
+
+
+def test_the_output_folder_is_made_before_any_measuring(tmp_path, monkeypatch):
+    from benchmarks import compare_trl, phase_time
+
+    out = tmp_path / "new" / "deeper" / "result.json"
+    phase_time.make_output_dir(str(out))
+    assert out.parent.is_dir()
+    phase_time.make_output_dir(None)  # no --out: nothing to make
+
+    commands = []
+
+    def stop_at_the_first_run(command):
+        commands.append(command)
+        raise SystemExit(3)
+
+    monkeypatch.setattr(compare_trl, "run", stop_at_the_first_run)
+    out_dir = tmp_path / "not" / "yet"
+    with pytest.raises(SystemExit):
+        compare_trl.main(["--workload", "small", "--out-dir", str(out_dir)])
+    assert out_dir.is_dir() and commands  # made before the first run started
