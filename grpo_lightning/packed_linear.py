@@ -126,19 +126,21 @@ def _packed_forward(module: torch.nn.Module, weight: Tensor, bias: Tensor | None
 
 
 def _linear_weight(module: torch.nn.Module) -> tuple[Tensor, Tensor | None] | None:
-    """``(weight, bias)`` of the linear map ``module`` computes: an ``nn.Linear``'s own, or a peft LoRA layer's
-    merged weight with its adapters on (its base layer's with them off). None for anything more than one
-    linear map (another module, a LoRA variant such as DoRA)."""
+    """``(weight, bias)`` of the linear map ``module`` computes: an ``nn.Linear``'s own; for a peft LoRA layer,
+    its base layer's plus, with adapters on, their ``scaling * B @ A`` (the weight delta its forward adds;
+    dropout is off in eval mode). None for anything more than one linear map (another module, a LoRA
+    variant such as DoRA with its adapters on)."""
     if type(module) is torch.nn.Linear:
         return module.weight, module.bias
-    delta = _active_lora_delta(module)
-    if delta is not None:
-        return module.base_layer.weight + delta, module.base_layer.bias
-    if not (hasattr(module, "get_delta_weight") and isinstance(getattr(module, "base_layer", None), torch.nn.Linear)):
+    base = getattr(module, "base_layer", None)
+    if not (hasattr(module, "get_delta_weight") and isinstance(base, torch.nn.Linear)):
         return None
     active = [name for name in module.active_adapters if name in module.lora_A]
-    adapters_on = bool(active) and not (module.disable_adapters or module.merged)
-    return None if adapters_on else (module.base_layer.weight, module.base_layer.bias)  # on here: a variant
+    if module.disable_adapters or module.merged or not active:  # merged: the delta is in the base weight
+        return base.weight, base.bias
+    if getattr(module, "lora_variant", None):
+        return None
+    return base.weight + sum(module.get_delta_weight(name) for name in active), base.bias
 
 
 def prepared_product(modules: Sequence[torch.nn.Module], rows: int | None) -> Callable[[Tensor], Tensor] | None:
@@ -164,18 +166,6 @@ def prepared_product(modules: Sequence[torch.nn.Module], rows: int | None) -> Ca
         return _product(weight, bias, rows, backend)
 
 
-def _active_lora_delta(layer: torch.nn.Module) -> Tensor | None:
-    """For a peft LoRA linear layer whose adapters are on: the sum of their ``scaling * B @ A``, which its
-    forward adds to the base layer's output (dropout is off in eval mode). None for any other layer, or
-    when a variant (DoRA, ...) or a mixed batch makes the adapters more than a weight delta."""
-    if not (hasattr(layer, "get_delta_weight") and isinstance(getattr(layer, "base_layer", None), torch.nn.Linear)):
-        return None
-    if layer.disable_adapters or layer.merged or getattr(layer, "lora_variant", None):
-        return None
-    active = [name for name in layer.active_adapters if name in layer.lora_A]
-    return sum(layer.get_delta_weight(name) for name in active) if active else None
-
-
 @contextlib.contextmanager
 def packed_linear_weights(model: torch.nn.Module, rows: int | None):
     """Within the block, ``model``'s linear layers multiply without gradients through ``decode_matmul_backend()``.
@@ -183,7 +173,7 @@ def packed_linear_weights(model: torch.nn.Module, rows: int | None):
     ``rows`` is the number of token positions per decode step (the group size B), which MKL packs for;
     None for passes of any row count (the reference's), where only oneDNN, whose layout fits any row count,
     applies. A LoRA layer whose adapters are on is prepared as one merged weight ``W + scaling * B @ A`` (the
-    same function, one product instead of three); with its adapters off, its base layer is. Laying the
+    same function, one product instead of three); with its adapters off, as its base layer's. Laying the
     weights out takes one pass over them and as much memory again as the linear weights; both are freed at
     the end."""
     backend = decode_matmul_backend()
@@ -194,16 +184,11 @@ def packed_linear_weights(model: torch.nn.Module, rows: int | None):
     patched, covered = [], set()  # covered: modules a patched LoRA layer no longer calls
     with torch.no_grad():
         for module in model.modules():  # parents come before their children
-            delta = _active_lora_delta(module)
-            if delta is not None:
-                base = module.base_layer
-                # an instance attribute shadows the class's forward
-                module.forward = _packed_forward(module, base.weight + delta, base.bias, rows, backend)
-                covered.update(map(id, module.modules()))
-            elif type(module) is torch.nn.Linear and id(module) not in covered and module.weight.numel() >= MIN_PACKED_WEIGHT:
-                module.forward = _packed_forward(module, module.weight, module.bias, rows, backend)
-            else:
-                continue
+            linear = None if id(module) in covered else _linear_weight(module)
+            if linear is None or linear[0].numel() < MIN_PACKED_WEIGHT:
+                continue  # a DoRA layer's base layer, a child, is prepared on its own
+            module.forward = _packed_forward(module, *linear, rows, backend)  # shadows the class's forward
+            covered.update(map(id, module.modules()))
             patched.append(module)
     try:
         yield
