@@ -4,14 +4,15 @@ Generating one token runs every decoder layer on a (B, 1, d) activation. The mat
 work; on a CPU what surrounds them costs nearly as much when done through the general Hugging Face
 forward: a key/value cache grown with ``torch.cat`` at every step, grouped-query keys and values copied
 ``heads / kv_heads`` times (``repeat_kv``) at every step, masks and rotary tables rebuilt per call, and
-layers of keyword plumbing. This decoder runs the model's own modules (embeddings, norms, activation; the
-projections and head as the model's weights), so the arithmetic per module is the model's, and replaces
-the glue:
+layers of keyword plumbing. This decoder runs the model's own modules (embeddings, activation; the norms as
+the same formula; the projections and head as the model's weights), so the arithmetic per module is the
+model's, and replaces the glue:
 
-- keys and values go into preallocated buffers, written in place; keys are kept transposed,
-  (B, kv_heads, head_dim, P + T), the layout the attention product reads (about 15 % faster there);
-- attention groups the query heads by key/value head ((B, kv, heads/kv * n, head_dim) against
-  (B, kv, head_dim, S)), so shared keys are read where they lie instead of being copied;
+- keys and values go into preallocated buffers, (B, kv_heads, P + T, head_dim), written in place. (Keys
+  kept transposed, the layout the attention product reads, made that product about 15 % faster alone, but
+  the scattered writes cost more: a whole sampling run was 1-2 % slower that way.)
+- attention groups the query heads by key/value head ((B, kv, heads/kv * n, head_dim) against the
+  (B, kv, S, head_dim) keys), so shared keys are read where they lie instead of being copied;
 - the rotary cos/sin come from the model's own rotary module, once per sequence for all positions;
 - a prompt that every row shares (a GRPO group: one prompt, G completions) runs once, on one row, and
   its keys and values are copied to the G rows: the prompt's forward costs 1/G of what it did. With a
@@ -19,8 +20,11 @@ the glue:
   steps together;
 - the linear layers run as products prepared once per decoder for B rows (``packed_linear.prepared_product``:
   oneDNN's blocked layout or MKL's packing, LoRA adapters merged) where the CPU and dtype allow, and the
-  query, key and value projections as one product, whose thin key/value parts ran at half the peak alone;
-  the query and key heads are rotated in one pass.
+  query, key and value projections as one product, whose thin key/value parts ran at half the peak alone,
+  and the MLP's gate and up projections as another;
+- the query and key heads are rotated in one pass, as ``x * cos + swap_halves(x) * signed_sin`` (the sign
+  of ``rotate_half`` moved into a sin table made once), and the RMS norms run as PyTorch's fused one where
+  the activations are float32: fewer operations on (B, 1, d) tensors, whose dispatch is their cost.
 
 The same products as the eager forward: logits agree with it to float rounding (tests/test_fast_decode.py
 compares them, with and without prepared products). Models of another shape are sampled through their own
@@ -69,8 +73,7 @@ class _LayerProducts:
 
     qkv: Callable[[Tensor], Tensor]  # x -> cat(q_proj(x), k_proj(x), v_proj(x)): one product for the three
     o: Callable[[Tensor], Tensor]
-    gate: Callable[[Tensor], Tensor]
-    up: Callable[[Tensor], Tensor]
+    gate_up: Callable[[Tensor], tuple[Tensor, Tensor]]  # x -> (gate_proj(x), up_proj(x)): one product for the two
     down: Callable[[Tensor], Tensor]
 
 
@@ -84,7 +87,26 @@ def _layer_products(layer: torch.nn.Module, rows: int, prepare: bool) -> _LayerP
         return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
 
     qkv = (prepare and prepared_product((attn.q_proj, attn.k_proj, attn.v_proj), rows)) or separate_qkv
-    return _LayerProducts(qkv, own(attn.o_proj), own(mlp.gate_proj), own(mlp.up_proj), own(mlp.down_proj))
+    joined_gate_up = prepare and prepared_product((mlp.gate_proj, mlp.up_proj), rows)
+    width = mlp.gate_proj.out_features
+
+    def gate_up(x: Tensor) -> tuple[Tensor, Tensor]:
+        if not joined_gate_up:
+            return mlp.gate_proj(x), mlp.up_proj(x)
+        both = joined_gate_up(x)
+        return both[..., :width], both[..., width:]
+
+    return _LayerProducts(qkv, own(attn.o_proj), gate_up, own(mlp.down_proj))
+
+
+def _rms_norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
+    """``norm(x)`` for the models' RMSNorm (``weight * x / sqrt(mean(x ** 2) + eps)``, computed in float32), as
+    PyTorch's one fused operation where ``x`` and the weight are float32 already: the module's forward is
+    eight operations on a (B, 1, d) activation, and at one token per step their dispatch is the cost."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "variance_epsilon", None)
+    if eps is None or weight is None or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return norm(x)
+    return torch.rms_norm(x, weight.shape, weight, eps)
 
 
 class LeanDecoder:
@@ -107,12 +129,14 @@ class LeanDecoder:
         prepare = not torch.is_grad_enabled()  # the prepared products have no backward
         self.products = [_layer_products(layer, batch, prepare) for layer in self.body.layers]
         self.head = (prepare and prepared_product((lm.lm_head,), batch)) or lm.lm_head
-        self.keys: list[Tensor] = []  # per layer (B, kv_heads, head_dim, max_len): transposed, as attention reads them
+        self.keys: list[Tensor] = []  # per layer (B, kv_heads, max_len, head_dim)
         self.values: list[Tensor] = []  # per layer (B, kv_heads, max_len, head_dim)
         positions = torch.arange(max_len, device=lm.device).unsqueeze(0)  # (1, max_len)
         probe = self.body.embed_tokens.weight[:1].unsqueeze(0)  # dtype and device for the rotary module
         cos, sin = self.body.rotary_emb(probe, positions)  # (1, max_len, head_dim) each
-        self.cos, self.sin = cos[0], sin[0]
+        # rotate_half(x) * sin = (-x2, x1) * (s1, s2) = (x2, x1) * (-s1, s2): the halves swapped, and the sign in sin
+        half = self.head_dim // 2
+        self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
     def prompt(self, ids: Tensor) -> Tensor:
         """The first call: the prompts (B, P). Rows that are all one prompt run as one row."""
@@ -130,18 +154,18 @@ class LeanDecoder:
         if end > self.max_len:
             raise ValueError(f"LeanDecoder holds {self.max_len} positions; {end} were asked for")
         cos = self.cos[start:end].view(1, new, 1, self.head_dim)  # broadcasts over (B, n, heads, hd)
-        sin = self.sin[start:end].view(1, new, 1, self.head_dim)
+        sin = self.signed_sin[start:end].view(1, new, 1, self.head_dim)
         mask = None
         if new > 1:  # causal within the new positions; every cached position is visible to each of them
             mask = torch.ones(new, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)
         hidden = self.body.embed_tokens(ids)  # (B, n, d)
         for index, (layer, products) in enumerate(zip(self.body.layers, self.products)):
-            attended = self._attention(products, layer.input_layernorm(hidden), index, start, cos, sin, mask)
+            attended = self._attention(products, _rms_norm(layer.input_layernorm, hidden), index, start, cos, sin, mask)
             hidden = hidden + attended
-            x = layer.post_attention_layernorm(hidden)
-            hidden = hidden + products.down(layer.mlp.act_fn(products.gate(x)) * products.up(x))  # the gated MLP
+            gate, up = products.gate_up(_rms_norm(layer.post_attention_layernorm, hidden))
+            hidden = hidden + products.down(layer.mlp.act_fn(gate) * up)  # the gated MLP
         self.length = end
-        last = self.body.norm(hidden[:, -1:])  # (B, 1, d): only the last position's logits are needed
+        last = _rms_norm(self.body.norm, hidden[:, -1:])  # (B, 1, d): only the last position's logits are needed
         return self.head(last)[:, 0]  # (B, V)
 
     def _attention(self, products: _LayerProducts, x: Tensor, index: int, start: int, cos, sin, mask) -> Tensor:
@@ -150,18 +174,20 @@ class LeanDecoder:
         heads, end = kv * groups, start + new
         qkv = products.qkv(x).view(batch, new, heads + 2 * kv, hd)
         qk = qkv[:, :, : heads + kv]  # the query and key heads take the same rotation: in one pass
-        qk = qk * cos + _rotate_half(qk) * sin
+        swapped = qk.unflatten(-1, (2, hd // 2)).flip(-2).flatten(-2)  # (x2, x1); sin carries the sign
+        qk = torch.addcmul(qk * cos, swapped, sin)
         # Query head h = k * groups + g serves key/value head k: (B, n, heads, hd) -> (B, kv, groups * n, hd).
         q = qk[:, :, :heads].reshape(batch, new, kv, groups, hd).permute(0, 2, 3, 1, 4)
         q = q.reshape(batch, kv, groups * new, hd)
-        k = qk[:, :, heads:].permute(0, 2, 3, 1)  # (B, kv, hd, n)
+        k = qk[:, :, heads:].transpose(1, 2)  # (B, kv, n, hd)
         v = qkv[:, :, heads + kv :].transpose(1, 2)  # (B, kv, n, hd)
         if index == len(self.keys):  # first call: buffers in the dtype the projections produce (bf16 under autocast)
-            self.keys.append(torch.empty((batch, kv, hd, self.max_len), dtype=k.dtype, device=k.device))
+            self.keys.append(torch.empty((batch, kv, self.max_len, hd), dtype=k.dtype, device=k.device))
             self.values.append(torch.empty((batch, kv, self.max_len, hd), dtype=v.dtype, device=v.device))
-        self.keys[index][..., start:end] = k
+        self.keys[index][:, :, start:end] = k
         self.values[index][:, :, start:end] = v
-        scores = torch.matmul(q, self.keys[index][..., :end]).mul_(self.scaling)  # (B, kv, groups * n, S)
+        keys = self.keys[index][:, :, :end].transpose(-1, -2)  # (B, kv, hd, S): a view, which the product reads as is
+        scores = torch.matmul(q, keys).mul_(self.scaling)  # (B, kv, groups * n, S)
         if mask is not None:
             scores = scores.view(batch, kv, groups, new, end).masked_fill(~mask, float("-inf")).view_as(scores)
         weights = scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype)
@@ -200,7 +226,3 @@ def _cache_argument(model: torch.nn.Module) -> str:
     base = _language_model(model)
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
 
-
-def _rotate_half(x: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

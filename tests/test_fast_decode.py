@@ -11,7 +11,7 @@ from conftest import build_tiny_llama
 
 from grpo_lightning.fast_decode import LeanDecoder, ModelDecoder, make_decoder, supports_fast_decode
 from grpo_lightning.lora import LoraSettings, apply_lora
-from grpo_lightning import packed_linear
+from grpo_lightning import fast_decode, packed_linear
 from grpo_lightning.config import GRPOError
 from grpo_lightning.packed_linear import packed_linear_weights, packing_available
 from grpo_lightning.sampling import softmax_parts
@@ -311,13 +311,33 @@ def test_lean_decoder_on_prepared_products_matches_the_full_forward(decode_matmu
     ids = torch.cat([prompt.repeat(4, 1), torch.randint(0, 300, (4, 4), generator=torch.Generator().manual_seed(8))], dim=1)
     decoder = LeanDecoder(model, 4, 7)
     calls = []
-    hook = model.model.layers[0].self_attn.q_proj.register_forward_hook(lambda m, i, o: calls.append(1))
+    layer = model.model.layers[0]
+    linears = [layer.self_attn.q_proj, layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+    hooks = [m.register_forward_hook(lambda m, i, o: calls.append(m)) for m in linears]
     try:
         logits = torch.stack([decoder.prompt(ids[:, :3]), *(decoder.step(ids[:, t : t + 1]) for t in range(3, 7))], dim=1)
     finally:
-        hook.remove()
-    assert calls == []  # the prepared products ran, not the modules
+        for hook in hooks:
+            hook.remove()
+    assert calls == []  # the prepared products ran (q/k/v as one, gate/up as one), not the modules
     torch.testing.assert_close(logits, full_forward(model, ids, 3), rtol=0, atol=1e-5)
+
+
+def test_rms_norm_is_the_models_norm_fused_in_float32_and_the_module_itself_otherwise(tiny_model):
+    norm = tiny_model.model.layers[0].input_layernorm
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 2.0, norm.weight.numel()))
+    x = torch.randn(3, 2, norm.weight.numel(), generator=torch.Generator().manual_seed(9))
+    by_hand = norm.weight * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    torch.testing.assert_close(fast_decode._rms_norm(norm, x), by_hand, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast_decode._rms_norm(norm, x), norm(x), rtol=1e-6, atol=1e-6)
+    calls = []
+    hook = norm.register_forward_hook(lambda m, i, o: calls.append(o))
+    try:
+        out = fast_decode._rms_norm(norm, x.bfloat16())  # not float32: the module's own forward, as it is
+    finally:
+        hook.remove()
+    assert len(calls) == 1 and torch.equal(out, norm(x.bfloat16()))
 
 
 def test_lean_decoder_built_with_gradients_on_runs_the_modules(tiny_model, monkeypatch):
