@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import pytest
 
@@ -134,3 +135,39 @@ def test_the_output_folder_is_made_before_any_measuring(tmp_path, monkeypatch):
     with pytest.raises(SystemExit):
         compare_trl.main(["--workload", "small", "--out-dir", str(out_dir)])
     assert out_dir.is_dir() and commands  # made before the first run started
+
+
+def test_rounds_summary_gives_the_median_ratio_of_the_rounds_and_their_range():
+    from benchmarks.compare_trl import rounds_summary
+
+    def row(workload, ours, trl):
+        return [workload, "full", "32-true", f"{ours:.1f}", "5.0", "x", f"{trl:.1f}", "7.0", "x", f"{trl / ours:.2f}"]
+
+    rounds = [[row("small", 10.0, 20.0), row("default", 60.0, 108.0)],
+              [row("small", 12.0, 18.0), row("default", 50.0, 110.0)],
+              [row("small", 11.0, 22.0)]]  # fmt: skip
+    # small: ratios 2.00, 1.50, 2.00 -> median 2.00 (not 20 / 11 = 1.82, the ratio of the medians); default: 1.80, 2.20
+    assert rounds_summary(rounds) == [
+        ["small", "full", "32-true", "3", "11.0", "20.0", "2.00", "1.50-2.00"],
+        ["default", "full", "32-true", "2", "55.0", "109.0", "2.00", "1.80-2.20"],
+    ]
+
+
+def test_rounds_alternate_which_side_runs_first_and_keep_each_rounds_files(monkeypatch, tmp_path):
+    from benchmarks import compare_trl
+
+    commands = []
+    monkeypatch.setattr(compare_trl, "run", commands.append)
+    row = ["small", "full", "32-true", "10.0", "5.0", "2.00", "20.0", "7.0", "2.86", "2.00"]
+    monkeypatch.setattr(compare_trl, "report_round", lambda ours, trl, title: [row])
+    compare_trl.main(["--workload", "small", "--rounds", "3", "--out-dir", str(tmp_path)])
+    commands = [command for command in commands if "benchmarks/setup_trl.sh" not in command]  # a first use builds .venv-trl
+    scripts = [os.path.basename(command[1]) for command in commands]
+    assert scripts == ["phase_time.py", "trl_phase_time.py", "trl_phase_time.py", "phase_time.py",
+                       "phase_time.py", "trl_phase_time.py"]  # fmt: skip
+    outputs = [command[command.index("--out") + 1] for command in commands]
+    assert len(set(outputs)) == 6 and outputs[3].endswith("compare_ours_small_full_32-true_round2.json")
+    assert compare_trl.round_paths("d", "t", 0, 1) == (os.path.join("d", "compare_ours_t.json"),
+                                                       os.path.join("d", "compare_trl_t.json"))  # fmt: skip
+    with pytest.raises(SystemExit):
+        compare_trl.main(["--rounds", "0"])
