@@ -90,12 +90,14 @@ def _layer_products(layer: torch.nn.Module, rows: int, prepare: bool) -> _LayerP
     joined_gate_up = prepare and prepared_product((mlp.gate_proj, mlp.up_proj), rows)
     width = mlp.gate_proj.out_features
 
-    def gate_up(x: Tensor) -> tuple[Tensor, Tensor]:
-        if not joined_gate_up:
-            return mlp.gate_proj(x), mlp.up_proj(x)
+    def separate_gate_up(x: Tensor) -> tuple[Tensor, Tensor]:
+        return mlp.gate_proj(x), mlp.up_proj(x)
+
+    def split_gate_up(x: Tensor) -> tuple[Tensor, Tensor]:
         both = joined_gate_up(x)
         return both[..., :width], both[..., width:]
 
+    gate_up = split_gate_up if joined_gate_up else separate_gate_up
     return _LayerProducts(qkv, own(attn.o_proj), gate_up, own(mlp.down_proj))
 
 
@@ -181,7 +183,7 @@ class LeanDecoder:
         q = q.reshape(batch, kv, groups * new, hd)
         k = qk[:, :, heads:].transpose(1, 2)  # (B, kv, n, hd)
         v = qkv[:, :, heads + kv :].transpose(1, 2)  # (B, kv, n, hd)
-        if index == len(self.keys):  # first call: buffers in the dtype the projections produce (bf16 under autocast)
+        if index == len(self.keys):  # first call: buffers in the dtypes k and v come in (under autocast: float32, rotated, and bf16)
             self.keys.append(torch.empty((batch, kv, self.max_len, hd), dtype=k.dtype, device=k.device))
             self.values.append(torch.empty((batch, kv, self.max_len, hd), dtype=v.dtype, device=v.device))
         self.keys[index][:, :, start:end] = k
