@@ -100,7 +100,7 @@ import transformers
 
 from grpo_lightning import GRPO_Args, GRPOModule
 from grpo_lightning.machine import competing_processes, keep_freed_memory_for_reuse, matmul_gflops
-from grpo_lightning.packed_linear import decode_matmul_backend
+from grpo_lightning.packed_linear import decode_matmul_backend, product_setting
 from grpo_lightning.precision import cpu_info, precision_warning
 from grpo_lightning.sampling import encode_prompt
 
@@ -303,6 +303,15 @@ def busy_machine_warning(sample_s: float = 1.0) -> str | None:
     )
 
 
+def decode_products(precision: str) -> str:
+    """How sampling's linear layers multiply at this precision (grpo_lightning.packed_linear)."""
+    if precision == "32-true":
+        return decode_matmul_backend()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prepared = product_setting(torch.nn.Linear(1, 1)) is not None
+    return "onednn (bf16, laid out once)" if prepared else "autocast (oneDNN bf16, as is)"
+
+
 # ---- one (workload, precision) measurement: runs in its own subprocess ----------------------------
 
 
@@ -359,7 +368,7 @@ def measure(workload: str, precision: str, phases: int, model: str | None, finet
         "peak_rss_mib": peak_rss,
         "checkpoint_mib": checkpoint_size,
         "cpu_util": cpu_util,
-        "decode_matmul": decode_matmul_backend() if precision == "32-true" else "autocast (oneDNN bf16)",
+        "decode_matmul": decode_products(precision),
         "keeps_freed_memory": keeps_freed_memory,
     }
 
@@ -439,7 +448,7 @@ def machine_line(results: list[dict]) -> str:
     kind = "native bf16" if cpu.native_bf16 else "no native bf16"
     return (
         f"CPU: {cpu.describe()}, {kind}; matmul peak GFLOP/s: fp32 {peaks['fp32']:.0f}, {bf16}; "
-        f"fp32 decode products: {decode_matmul_backend()}"
+        f"decode products: fp32 {decode_products('32-true')}, bf16 {decode_products('bf16-mixed')}"
     )
 
 

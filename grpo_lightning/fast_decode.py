@@ -19,7 +19,8 @@ model's, and replaces the glue:
   chat template the prompt is tens of tokens, and its forward over G rows cost as much as all decode
   steps together;
 - the linear layers run as products prepared once per decoder for B rows (``packed_linear.prepared_product``:
-  oneDNN's blocked layout or MKL's packing, LoRA adapters merged) where the CPU and dtype allow, and the
+  oneDNN's blocked layout or MKL's packing, LoRA adapters merged; under bf16 autocast oneDNN's bf16 product,
+  live adapters left to their modules) where the CPU and dtype allow, and the
   query, key and value projections as one product, whose thin key/value parts ran at half the peak alone,
   and the MLP's gate and up projections as another;
 - the query and key heads are rotated in one pass, as ``x * cos + swap_halves(x) * signed_sin`` (the sign

@@ -402,8 +402,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             return None
         reference = self.ref_model if self.lora is None else self.policy
         context = self.policy.disable_adapter() if self.lora is not None else contextlib.nullcontext()
-        # fp32, where oneDNN is the decode library (packed_linear.py: its layout fits any row count): on the
-        # AMD Zen 4 machine oneDNN took 6-8 % off this pass on plain weights, and 7-9 % more laid out once
+        # Where oneDNN multiplies (packed_linear.py: its layout fits any row count): fp32 on the AMD Zen 4
+        # machine took 6-8 % off this pass on plain weights, and 7-9 % more laid out once; bf16 autocast too
         with context, packed_linear_weights(reference, rows=None):
             chunk = self.phase_args.minibatch_size
             return get_logprobs_batched(reference, sample_ids, self.args.gen_len, chunk, attention_mask)

@@ -178,14 +178,95 @@ def test_the_decode_library_can_be_chosen_by_name(monkeypatch, decode_matmul):
         packed_linear.decode_matmul_backend()
 
 
-def test_packing_is_off_under_autocast_and_with_gradients():
+def test_packing_is_off_under_fp16_autocast_and_with_gradients():
     layer = torch.nn.Linear(96, 80)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.float16):  # only bf16 autocast has prepared products
         assert not packing_available(layer)
     x = torch.randn(4, 96, requires_grad=True)
     with packed_linear_weights(layer, rows=4):
         layer(x).sum().backward()  # with gradients enabled the packed product (no backward) is not used
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, -1))
+
+
+needs_bf16_products = pytest.mark.skipif(
+    not packed_linear._bf16_products_available(), reason="this PyTorch's oneDNN has no bf16 kernels on this CPU"
+)
+
+
+def test_bf16_autocast_takes_onednn_bf16_products_where_they_exist(monkeypatch, decode_matmul):
+    layer = torch.nn.Linear(96, 80)
+    monkeypatch.setattr(packed_linear, "_bf16_products_available", lambda: True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for name in ("mkl", "onednn"):  # MKL has no bf16 product: oneDNN, whichever fp32 library is chosen
+            decode_matmul(name)
+            assert packed_linear.product_setting(layer) == ("onednn", torch.bfloat16)
+        decode_matmul("aten")  # the user's switch for the products as autocast runs them
+        assert packed_linear.product_setting(layer) is None
+        decode_matmul("onednn")
+        monkeypatch.setattr(packed_linear, "_bf16_products_available", lambda: False)
+        assert packed_linear.product_setting(layer) is None
+        assert packed_linear.prepared_product((layer,), rows=4) is None
+    assert packed_linear.product_setting(layer.bfloat16()) is None  # bf16 weights: not these products
+
+
+@needs_bf16_products
+@torch.no_grad()
+def test_bf16_products_compute_exactly_what_autocast_computes(decode_matmul):
+    decode_matmul("onednn")
+    q, k, v = torch.nn.Linear(96, 80), torch.nn.Linear(96, 48, bias=False), torch.nn.Linear(96, 48)
+    x = torch.randn(6, 1, 96)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        qkv = packed_linear.prepared_product((q, k, v), rows=6)
+        expected = torch.cat([q(x), k(x), v(x)], dim=-1)
+        assert qkv(x).dtype == torch.bfloat16 and torch.equal(qkv(x), expected)  # the same bf16 rounding, to the bit
+        x3 = torch.randn(3, 96)  # any row count
+        assert torch.equal(qkv(x3), torch.cat([q(x3), k(x3), v(x3)], dim=-1))
+        expected3 = torch.nn.functional.linear(x3, q.weight, q.bias)
+        with packed_linear_weights(q, rows=None):  # the reference's pass: the layer itself, patched
+            assert "forward" in vars(q) and torch.equal(q(x3), expected3)
+    assert expected3.dtype == torch.bfloat16
+
+
+@needs_bf16_products
+@torch.no_grad()
+def test_bf16_products_leave_live_lora_adapters_to_their_own_forward(decode_matmul, monkeypatch):
+    decode_matmul("onednn")
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
+    lora = lora_with_live_adapters(build_tiny_llama(vocab_size=300, seed=4))
+    attn = lora.get_base_model().model.layers[0].self_attn
+    ids = torch.randint(0, 300, (3, 5), generator=torch.Generator().manual_seed(6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        # A delta merged into a bf16 weight would round away: the LoRA layer runs itself, on a prepared base
+        assert packed_linear.prepared_product((attn.q_proj,), rows=3) is None
+        expected = lora(input_ids=ids).logits
+        with packed_linear_weights(lora, rows=None):
+            assert "forward" not in vars(attn.q_proj) and "forward" in vars(attn.q_proj.base_layer)
+            assert torch.equal(lora(input_ids=ids).logits, expected)
+        with lora.disable_adapter():  # the reference: the base weights alone, prepared whole
+            base = packed_linear.prepared_product((attn.q_proj,), rows=3)
+            x = torch.randn(3, 1, 32)
+            assert torch.equal(base(x), attn.q_proj(x))
+
+
+@needs_bf16_products
+@torch.no_grad()
+def test_lean_decoder_under_bf16_autocast_runs_prepared_products(tiny_model, decode_matmul, monkeypatch):
+    decode_matmul("onednn")
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
+    ids = torch.randint(0, 300, (4, 8), generator=torch.Generator().manual_seed(2))
+    layer = tiny_model.model.layers[0]
+    calls = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        own = decode_all(ModelDecoder(tiny_model), ids, 3).float()
+        decoder = LeanDecoder(tiny_model, 4, 8)
+        hooks = [m.register_forward_hook(lambda m, i, o: calls.append(m)) for m in (layer.self_attn.q_proj, layer.mlp.down_proj, tiny_model.lm_head)]
+        try:
+            lean = decode_all(decoder, ids, 3).float()
+        finally:
+            for hook in hooks:
+                hook.remove()
+    assert calls == []
+    torch.testing.assert_close(lean, own, rtol=0, atol=2e-2)  # as the modules' own bf16 decode (test above)
 
 
 def test_softmax_parts_by_hand():
@@ -271,7 +352,7 @@ def test_no_prepared_product_where_the_modules_must_run_themselves(monkeypatch, 
     layer = torch.nn.Linear(96, 80)
     assert packed_linear.prepared_product((torch.nn.Linear(8, 8),), rows=4) is None  # too small to be worth it
     assert packed_linear.prepared_product((torch.nn.LayerNorm(96), layer), rows=4) is None  # not a linear map
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.float16):
         assert packed_linear.prepared_product((layer,), rows=4) is None
     decode_matmul("aten")
     assert packed_linear.prepared_product((layer,), rows=4) is None
