@@ -78,17 +78,24 @@ class _LayerProducts:
     down: Callable[[Tensor], Tensor]
 
 
-def _layer_products(layer: torch.nn.Module, rows: int, prepare: bool) -> _LayerProducts:
+def _layer_products(layer: torch.nn.Module, rows: int, prepare: bool, unprepared: list) -> _LayerProducts:
+    """The layer's products; with ``prepare``, the modules that must run themselves are added to ``unprepared``."""
     attn, mlp = layer.self_attn, layer.mlp
 
+    def joined(*modules):
+        product = prepare and prepared_product(modules, rows)
+        if prepare and not product:
+            unprepared.extend(modules)
+        return product
+
     def own(module):
-        return (prepare and prepared_product((module,), rows)) or module
+        return joined(module) or module
 
     def separate_qkv(x: Tensor) -> Tensor:
         return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
 
-    qkv = (prepare and prepared_product((attn.q_proj, attn.k_proj, attn.v_proj), rows)) or separate_qkv
-    joined_gate_up = prepare and prepared_product((mlp.gate_proj, mlp.up_proj), rows)
+    qkv = joined(attn.q_proj, attn.k_proj, attn.v_proj) or separate_qkv
+    joined_gate_up = joined(mlp.gate_proj, mlp.up_proj)
     width = mlp.gate_proj.out_features
 
     def separate_gate_up(x: Tensor) -> tuple[Tensor, Tensor]:
@@ -130,8 +137,13 @@ class LeanDecoder:
         self.groups = self.config.num_attention_heads // self.kv_heads  # query heads per key/value head
         self.scaling = attention.scaling
         prepare = not torch.is_grad_enabled()  # the prepared products have no backward
-        self.products = [_layer_products(layer, batch, prepare) for layer in self.body.layers]
+        # Linear modules that run themselves although products were prepared: a LoRA layer with live adapters
+        # under bf16, a DoRA layer. The caller may prepare their own linear layers (packed_linear_weights).
+        self.unprepared: list[torch.nn.Module] = []
+        self.products = [_layer_products(layer, batch, prepare, self.unprepared) for layer in self.body.layers]
         self.head = (prepare and prepared_product((lm.lm_head,), batch)) or lm.lm_head
+        if prepare and self.head is lm.lm_head:
+            self.unprepared.append(lm.lm_head)
         self.keys: list[Tensor] = []  # per layer (B, kv_heads, max_len, head_dim)
         self.values: list[Tensor] = []  # per layer (B, kv_heads, max_len, head_dim)
         positions = torch.arange(max_len, device=lm.device).unsqueeze(0)  # (1, max_len)

@@ -98,8 +98,13 @@ def sample_completions_with_logprobs(
     new_ids, logprobs, entropy, alive = [], [], [], []
     stops = None if not stop_tokens else torch.tensor(stop_tokens, device=prompt_ids.device)
     running = torch.ones(batch, 1, dtype=torch.bool, device=prompt_ids.device)  # not yet ended
-    # The lean decoder prepares its own products; the model's own forward gets its linear layers prepared in place.
-    products = packed_linear_weights(model, rows=batch) if isinstance(decoder, ModelDecoder) else contextlib.nullcontext()
+    # The lean decoder prepares its own products; the model's own forward gets its linear layers prepared in
+    # place, and so do the modules the lean decoder leaves to themselves (live LoRA adapters under bf16: their base layers).
+    products = contextlib.nullcontext()
+    if isinstance(decoder, ModelDecoder):
+        products = packed_linear_weights(model, rows=batch)
+    elif decoder.unprepared:
+        products = packed_linear_weights(torch.nn.ModuleList(decoder.unprepared), rows=batch)
     with products:
         logits = decoder.prompt(prompt_ids).float()  # (B, V)
         for step in range(gen_len):

@@ -14,7 +14,7 @@ from grpo_lightning.lora import LoraSettings, apply_lora
 from grpo_lightning import fast_decode, packed_linear
 from grpo_lightning.config import GRPOError
 from grpo_lightning.packed_linear import packed_linear_weights, packing_available
-from grpo_lightning.sampling import softmax_parts
+from grpo_lightning.sampling import sample_completions_with_logprobs, softmax_parts
 
 
 def decode_all(decoder, ids: torch.Tensor, prompt_len: int) -> torch.Tensor:
@@ -429,3 +429,34 @@ def test_lean_decoder_built_with_gradients_on_runs_the_modules(tiny_model, monke
     logits = decoder.step(torch.tensor([[1, 2], [3, 4]]))
     logits.sum().backward()
     assert attn.q_proj.weight.grad is not None and attn.q_proj.weight.grad.abs().sum() > 0
+
+
+@needs_bf16_products
+def test_bf16_sampling_with_live_lora_adapters_prepares_their_base_layers(decode_matmul, monkeypatch):
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
+    lora = lora_with_live_adapters(build_tiny_llama(vocab_size=300, seed=4))
+    prompt = torch.randint(0, 300, (1, 3), generator=torch.Generator().manual_seed(3)).repeat(4, 1)
+    prepared = []
+    own_product = packed_linear._product
+    monkeypatch.setattr(packed_linear, "_product", lambda weight, *rest: prepared.append(weight.shape) or own_product(weight, *rest))
+
+    def sample(library):
+        decode_matmul(library)
+        torch.manual_seed(11)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return sample_completions_with_logprobs(lora, prompt, 5)
+
+    as_autocast = sample("aten")  # nothing prepared: the products as autocast runs them
+    assert prepared == []
+    decode_matmul("onednn")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        unprepared = LeanDecoder(lora, 4, 8).unprepared
+    layers = lora.get_base_model().model.layers
+    assert len(unprepared) == 7 * len(layers)  # every adapted projection runs itself: q, k, v, o, gate, up, down
+    prepared.clear()
+    fast = sample("onednn")
+    # the head by the decoder; in place, each adapted projection's base layer and its adapter's A and B (plain
+    # linear layers, which bf16 products reproduce to the bit), not the three merged into one bf16 weight
+    assert len(prepared) == 1 + 3 * 7 * len(layers)
+    assert torch.equal(fast.sample_ids, as_autocast.sample_ids) and torch.equal(fast.logprobs, as_autocast.logprobs)
+    assert all("forward" not in vars(module.base_layer) for module in unprepared)  # restored after sampling
