@@ -96,9 +96,7 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         in_place = logits.dtype == torch.float32  # then each chunk is computed right in grad_logits, no copy
         for rows in _row_chunks(logits):
             grad = grad_logits[rows] if in_place else None
-            # bf16 logits minus the float32 log-sum-exp is computed in float32: no float32 copy of the chunk first
-            chunk = logits[rows] if logits.element_size() < 4 else logits[rows].float()
-            grad = torch.sub(chunk, logsumexp[rows, None], out=grad)
+            grad = torch.sub(logits[rows].float(), logsumexp[rows, None], out=grad)
             grad.exp_().mul_(-grad_out[rows, None])
             grad.scatter_add_(-1, targets[rows, None], grad_out[rows, None])
             if not in_place:
