@@ -460,3 +460,20 @@ def test_bf16_sampling_with_live_lora_adapters_prepares_their_base_layers(decode
     assert len(prepared) == 1 + 3 * 7 * len(layers)
     assert torch.equal(fast.sample_ids, as_autocast.sample_ids) and torch.equal(fast.logprobs, as_autocast.logprobs)
     assert all("forward" not in vars(module.base_layer) for module in unprepared)  # restored after sampling
+
+
+@torch.no_grad()
+def test_keys_are_kept_in_the_autocast_dtype_the_scores_read_them_in(tiny_model, monkeypatch):
+    ids = torch.randint(0, 300, (4, 8), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder = LeanDecoder(tiny_model, 4, 8)
+        rounded_once = decode_all(decoder, ids, 3)
+        monkeypatch.setattr(fast_decode, "_cached_key_dtype", lambda k: k.dtype)  # float32 keys, rounded at each step
+        float32_keys = LeanDecoder(tiny_model, 4, 8)
+        rounded_each_step = decode_all(float32_keys, ids, 3)
+    assert decoder.keys[0].dtype == torch.bfloat16 and float32_keys.keys[0].dtype == torch.float32
+    assert torch.equal(rounded_once, rounded_each_step)  # the same values reach the scores product
+    monkeypatch.undo()
+    fp32 = LeanDecoder(tiny_model, 4, 8)
+    decode_all(fp32, ids, 3)
+    assert fp32.keys[0].dtype == torch.float32  # outside autocast, as they come
