@@ -75,15 +75,37 @@ def _row_chunks(logits: Tensor):
     return [slice(start, start + rows) for start in range(0, logits.shape[0], rows)]
 
 
+def _float32_rows(logits: Tensor, rows: slice) -> tuple[Tensor, bool]:
+    """``(logits[rows].float(), whether that is a copy of our own)``: a float32 copy of bf16 logits can be
+    worked on in place; float32 logits themselves cannot."""
+    chunk = logits[rows]
+    return (chunk, False) if chunk.dtype == torch.float32 else (chunk.float(), True)
+
+
+def _logsumexp_rows(chunk: Tensor, in_place: bool) -> Tensor:
+    """``chunk.logsumexp(-1)`` computed as torch computes it (the row maxima, an infinite one taken as 0; the
+    log of the sum of exp of the values shifted by them; the maxima added back), so to the same bits, but
+    shifting ``chunk`` in place where ``in_place``: one float32 (rows, V) tensor fewer to allocate and write."""
+    largest = chunk.amax(-1, keepdim=True)
+    largest.masked_fill_(largest.abs() == float("inf"), 0)
+    shifted = chunk.sub_(largest) if in_place else chunk - largest
+    return shifted.exp_().sum(-1).log_().add_(largest.squeeze(-1))
+
+
 class _SelectiveLogSoftmax(torch.autograd.Function):
+    # Under bf16 autocast each chunk's float32 copy is worked on in place, forward and backward: a bf16
+    # learning step of 32 x 30 tokens took 2-3.5 % less on the Zen 4 machine (3.16-3.31 s against 3.27-3.38 s,
+    # alternated 5 times), with the same bits. (Subtracting float32 from bf16 directly, without the copy, is
+    # slower: mixed-dtype arithmetic takes 4-7 ms per 170 x 49152 chunk on the CPU, the copy and an in-place
+    # subtraction 3 ms.)
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor) -> Tensor:
         logsumexp = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         picked = torch.empty_like(logsumexp)
         for rows in _row_chunks(logits):
-            chunk = logits[rows].float()
-            logsumexp[rows] = chunk.logsumexp(-1)
-            picked[rows] = chunk.gather(-1, targets[rows, None]).squeeze(-1)
+            chunk, own = _float32_rows(logits, rows)
+            picked[rows] = chunk.gather(-1, targets[rows, None]).squeeze(-1)  # before any in-place shift
+            logsumexp[rows] = _logsumexp_rows(chunk, in_place=own)
         ctx.save_for_backward(logits, targets, logsumexp)
         return picked - logsumexp
 
@@ -93,13 +115,14 @@ class _SelectiveLogSoftmax(torch.autograd.Function):
         logits, targets, logsumexp = ctx.saved_tensors
         grad_logits = torch.empty_like(logits)
         grad_out = grad_out.float()
-        in_place = logits.dtype == torch.float32  # then each chunk is computed right in grad_logits, no copy
         for rows in _row_chunks(logits):
-            grad = grad_logits[rows] if in_place else None
-            grad = torch.sub(logits[rows].float(), logsumexp[rows, None], out=grad)
+            chunk, own = _float32_rows(logits, rows)
+            # float32 logits: computed right in grad_logits; bf16: in their float32 copy, then rounded into it
+            lse = logsumexp[rows, None]
+            grad = chunk.sub_(lse) if own else torch.sub(chunk, lse, out=grad_logits[rows])
             grad.exp_().mul_(-grad_out[rows, None])
             grad.scatter_add_(-1, targets[rows, None], grad_out[rows, None])
-            if not in_place:
+            if own:
                 grad_logits[rows] = grad
         return grad_logits, None
 

@@ -524,3 +524,17 @@ def test_selective_log_softmax_gradient_by_hand():
     logits = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64).requires_grad_()
     objectives.selective_log_softmax(logits, torch.tensor([1])).sum().backward()
     assert_close(logits.grad, torch.tensor([[-0.25, 0.25]], dtype=torch.float64), rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_in_place_logsumexp_gives_torchs_bits_and_leaves_float32_logits_alone(dtype):
+    logits = (torch.randn(5, 300, generator=torch.Generator().manual_seed(4)) * 6).to(dtype)
+    logits[1, :] = float("-inf")  # an impossible row: -inf, as torch says
+    logits[2, 7] = float("-inf")  # one impossible token
+    logits[3, 9] = float("inf")  # an infinite logit: inf
+    chunk, own = objectives._float32_rows(logits, slice(0, 5))
+    assert own == (dtype != torch.float32)
+    expected = logits.float().logsumexp(-1)
+    assert torch.equal(objectives._logsumexp_rows(chunk, in_place=own), expected)
+    if not own:  # the caller's float32 logits are not shifted in place
+        assert torch.equal(chunk, logits) and chunk.data_ptr() == logits.data_ptr()
