@@ -150,8 +150,8 @@ class LeanDecoder:
         self.groups = self.config.num_attention_heads // self.kv_heads  # query heads per key/value head
         self.scaling = attention.scaling
         prepare = not torch.is_grad_enabled()  # the prepared products have no backward
-        # Linear modules that run themselves although products were prepared: a LoRA layer with live adapters
-        # under bf16, a DoRA layer. The caller may prepare their own linear layers (packed_linear_weights).
+        # Linear modules that run themselves: a LoRA layer with live adapters under bf16, a DoRA layer (or all of
+        # them, where no products apply). The caller may prepare their own linear layers (packed_linear_weights).
         self.unprepared: list[torch.nn.Module] = []
         self.products = [_layer_products(layer, batch, prepare, self.unprepared) for layer in self.body.layers]
         self.head = (prepare and prepared_product((lm.lm_head,), batch)) or lm.lm_head

@@ -104,11 +104,6 @@ def product_setting(model: torch.nn.Module) -> tuple[str, torch.dtype] | None:
     return None if backend == "aten" else (backend, torch.float32)
 
 
-def packing_available(model: torch.nn.Module) -> bool:
-    """Whether the decode products apply to ``model`` now (``product_setting``)."""
-    return product_setting(model) is not None
-
-
 def _product(
     weight: Tensor, bias: Tensor | None, rows: int | None, backend: str, dtype: torch.dtype = torch.float32
 ) -> Callable[[Tensor], Tensor]:
@@ -176,7 +171,7 @@ def prepared_product(modules: Sequence[torch.nn.Module], rows: int | None) -> Ca
     ``x -> torch.cat([m(x) for m in modules], -1)``, through ``decode_matmul_backend()`` and without gradients.
     One product instead of several runs thin outputs (the key and value projections) nearer the peak.
 
-    ``rows``: as for ``packed_linear_weights``. None where the products do not apply (``packing_available``),
+    ``rows``: as for ``packed_linear_weights``. None where the products do not apply (``product_setting``),
     where the weights are small (below ``MIN_PACKED_WEIGHT`` in all) or where a module is more than a linear
     map (``_linear_weight``): the caller then runs the modules themselves. A product computes with the weights
     as they were when it was prepared: prepare it again after they change (an optimizer step)."""

@@ -13,7 +13,7 @@ from grpo_lightning.fast_decode import LeanDecoder, ModelDecoder, make_decoder, 
 from grpo_lightning.lora import LoraSettings, apply_lora
 from grpo_lightning import fast_decode, packed_linear
 from grpo_lightning.config import GRPOError
-from grpo_lightning.packed_linear import packed_linear_weights, packing_available
+from grpo_lightning.packed_linear import packed_linear_weights, product_setting
 from grpo_lightning.sampling import sample_completions_with_logprobs, softmax_parts
 
 
@@ -128,7 +128,7 @@ def test_decode_products_give_f_linear_results(decode_matmul, backend):
     other = torch.nn.Linear(8, 8)  # too small to prepare: left alone
     model = torch.nn.Sequential(layer, other)
     x = torch.randn(6, 1, 96)
-    assert packing_available(model)
+    assert product_setting(model) == (backend, torch.float32)
     with packed_linear_weights(model, rows=6):
         assert "forward" in vars(layer) and "forward" not in vars(other)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)
@@ -164,7 +164,7 @@ def test_the_decode_library_follows_the_cpu_vendor(monkeypatch, vendor, expected
     assert packed_linear.decode_matmul_backend() == "mkl"
     monkeypatch.setattr(packed_linear, "_mkl_available", lambda: False)
     assert packed_linear.decode_matmul_backend() == "aten"
-    assert not packing_available(torch.nn.Linear(96, 80))
+    assert product_setting(torch.nn.Linear(96, 80)) is None
 
 
 def test_the_decode_library_can_be_chosen_by_name(monkeypatch, decode_matmul):
@@ -181,7 +181,7 @@ def test_the_decode_library_can_be_chosen_by_name(monkeypatch, decode_matmul):
 def test_packing_is_off_under_fp16_autocast_and_with_gradients():
     layer = torch.nn.Linear(96, 80)
     with torch.autocast("cpu", dtype=torch.float16):  # only bf16 autocast has prepared products
-        assert not packing_available(layer)
+        assert product_setting(layer) is None
     x = torch.randn(4, 96, requires_grad=True)
     with packed_linear_weights(layer, rows=4):
         layer(x).sum().backward()  # with gradients enabled the packed product (no backward) is not used
@@ -199,14 +199,14 @@ def test_bf16_autocast_takes_onednn_bf16_products_where_they_exist(monkeypatch, 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for name in ("mkl", "onednn"):  # MKL has no bf16 product: oneDNN, whichever fp32 library is chosen
             decode_matmul(name)
-            assert packed_linear.product_setting(layer) == ("onednn", torch.bfloat16)
+            assert product_setting(layer) == ("onednn", torch.bfloat16)
         decode_matmul("aten")  # the user's switch for the products as autocast runs them
-        assert packed_linear.product_setting(layer) is None
+        assert product_setting(layer) is None
         decode_matmul("onednn")
         monkeypatch.setattr(packed_linear, "_bf16_products_available", lambda: False)
-        assert packed_linear.product_setting(layer) is None
+        assert product_setting(layer) is None
         assert packed_linear.prepared_product((layer,), rows=4) is None
-    assert packed_linear.product_setting(layer.bfloat16()) is None  # bf16 weights: not these products
+    assert product_setting(layer.bfloat16()) is None  # bf16 weights: not these products
 
 
 @needs_bf16_products
