@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import sys
+
 import lightning as L
 
+from .checkpointing import CheckpointError, wait_for_checkpoint_writes
 from .interrupt import stop_point
 
 
@@ -18,9 +22,18 @@ class StopAtSafePoints(L.Callback):
         stop_point()
 
     def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
+        # The checkpoint still being written in the background is finished first, so that it is the one
+        # reported; if it cannot be, the run says why, and the one before it is reported.
+        try:
+            wait_for_checkpoint_writes(trainer)
+        except CheckpointError as error:
+            if error is not exception and trainer.is_global_zero:
+                print(f"error: {error}", file=sys.stderr, flush=True)
         callback = trainer.checkpoint_callback
-        # This run's newest checkpoint; before it wrote one, the checkpoint it resumed from (if any).
+        # This run's newest whole checkpoint; before it wrote one, the checkpoint it resumed from (if any).
         last = getattr(callback, "last_model_path", "") or getattr(callback, "best_model_path", "") or trainer.ckpt_path
+        if last and not os.path.exists(last):  # the write that failed was this run's first
+            last = trainer.ckpt_path
         try:
             exception.grpo_last_checkpoint = last or None
             exception.grpo_phase = trainer.current_epoch + 1

@@ -88,7 +88,8 @@ def exit_if_still_running(after_s: float, exit_code: int) -> threading.Timer:
     """Ends the process with ``exit_code`` if it is still running ``after_s`` seconds from now.
 
     A daemon timer: a process that exits in time takes it down with it. Checkpoints are written
-    atomically, so ending here can lose only the log lines still queued, never a checkpoint.
+    atomically, so ending here can lose only the log lines still queued and a checkpoint still being
+    written in the background; the checkpoints already written stay whole.
     """
 
     def exit_now() -> None:

@@ -3,7 +3,8 @@
     python tests/killable_fit.py POINT:N [fit arguments...]
 
 POINT is where the N-th event of its kind (counted in this process) kills it:
-  rollout     the N-th sampled token step of any rollout (mid-rollout)
+  rollout     the N-th sampled token step of any rollout (mid-rollout), once the checkpoint that the previous
+              phase writes in the background is whole (a kill during that write is what "write" does)
   learning    the start of the N-th training step (the earlier steps of the phase are applied in memory)
   write       the N-th checkpoint write, half-way through writing its bytes
   link        the N-th move of last.ckpt, after the new checkpoint is whole and before the link moves
@@ -42,7 +43,20 @@ def arm(point: str, n: int) -> None:
     from grpo_lightning import checkpointing, module, sampling
 
     if point == "rollout":
-        sampling.softmax_parts = on_nth_call(sampling.softmax_parts, n)
+        writers = []  # every AtomicCheckpointIO of the run, to wait for its background writes
+        made = checkpointing.AtomicCheckpointIO.__init__
+
+        def recorded(self, *args, **kwargs):
+            made(self, *args, **kwargs)
+            writers.append(self)
+
+        def wait_then_kill(*args):
+            for writer in writers:
+                writer.wait_for_writes()
+            kill_now()
+
+        checkpointing.AtomicCheckpointIO.__init__ = recorded
+        sampling.softmax_parts = on_nth_call(sampling.softmax_parts, n, before=wait_then_kill)
     elif point == "learning":
         module.GRPOModule.training_step = on_nth_call(module.GRPOModule.training_step, n)
     elif point == "write":

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import functools
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -67,6 +69,116 @@ def test_the_link_moves_in_one_step(tmp_path):
     link_atomically(tmp_path / "epoch=1-step=8.ckpt", link)
     assert os.readlink(link) == "epoch=1-step=8.ckpt" and link.read_bytes() == b"epoch=1-step=8.ckpt"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt", "last.ckpt"]
+
+
+def _queue_phase_end(io: AtomicCheckpointIO, checkpoint: dict, new: Path, old: Path, link: Path) -> None:
+    """What PhaseCheckpoint does at the end of a phase: the new file, then the link to it, then the old file's
+    deletion, all in the background."""
+    io.in_background = True
+    io.save_checkpoint(checkpoint, new)
+    io.after_writes(functools.partial(link_atomically, new, link))
+    io.after_writes(old.unlink)
+    io.in_background = False
+
+
+def test_a_background_save_returns_at_once_and_the_link_and_deletion_follow_it(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    old, new, link = tmp_path / "epoch=0-step=4.ckpt", tmp_path / "epoch=1-step=8.ckpt", tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 4}, old)
+    link_atomically(old, link)
+    release, writers, real_save = threading.Event(), [], torch.save
+
+    def held_save(obj, file, *args, **kwargs):
+        writers.append(threading.current_thread().name)
+        assert release.wait(30)
+        return real_save(obj, file, *args, **kwargs)
+
+    monkeypatch.setattr(checkpointing.torch, "save", held_save)
+    checkpoint = {"global_step": 8, "w": torch.arange(3.0), "loops": {"epoch": 1}}
+    _queue_phase_end(io, checkpoint, new, old, link)
+    checkpoint["loops"]["epoch"] = 99  # Lightning's bookkeeping moving on after the save: not in the file
+    # The write is held: none of the three has happened, and the previous checkpoint is still the last one.
+    assert not new.exists() and old.exists() and os.readlink(link) == old.name
+    release.set()
+    io.wait_for_writes()
+    assert writers == ["checkpoint-writer_0"]
+    assert os.readlink(link) == new.name and not old.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [new.name, "last.ckpt"]
+    loaded = torch.load(link, weights_only=True)
+    assert loaded["global_step"] == 8 and loaded["loops"] == {"epoch": 1} and torch.equal(loaded["w"], torch.arange(3.0))
+    io.teardown()
+
+
+def test_a_failed_background_write_moves_no_link_deletes_nothing_and_is_raised_once(tmp_path, monkeypatch):
+    io = AtomicCheckpointIO()
+    old, new, link = tmp_path / "epoch=0-step=4.ckpt", tmp_path / "epoch=1-step=8.ckpt", tmp_path / "last.ckpt"
+    io.save_checkpoint({"global_step": 4}, old)
+    link_atomically(old, link)
+
+    def disk_full(obj, file, *args, **kwargs):
+        file.write(b"the start of a checkpoint")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpointing.torch, "save", disk_full)
+    _queue_phase_end(io, {"global_step": 8}, new, old, link)
+    with pytest.raises(CheckpointError, match=f"^could not write checkpoint {new}: No space left on device"):
+        io.wait_for_writes()
+    io.wait_for_writes()  # said once
+    assert os.readlink(link) == old.name and torch.load(link, weights_only=True)["global_step"] == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == [old.name, "last.ckpt"]  # no partial file, nothing deleted
+    monkeypatch.undo()
+    io.save_checkpoint({"global_step": 12}, tmp_path / "epoch=2-step=12.ckpt")  # the writer carries on after a failure
+    assert torch.load(tmp_path / "epoch=2-step=12.ckpt", weights_only=True)["global_step"] == 12
+    io.teardown()
+
+
+def test_each_phase_checkpoint_is_written_while_the_next_rollout_runs_and_whole_before_it_learns(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    import sys
+
+    from grpo_lightning import cli
+    from grpo_lightning.module import GRPOModule
+
+    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
+    events: list[tuple[str, int, str]] = []  # (what, phase or step, thread), in the order they happened
+    real_write, real_rollout, real_step = checkpointing.write_atomically, GRPOModule.on_train_epoch_start, GRPOModule.training_step
+
+    def slow_write(path, write):
+        time.sleep(0.5)  # a write that outlasts the start of the next rollout
+        real_write(path, write)
+        if path.suffix == ".ckpt":
+            events.append(("written", torch.load(path, weights_only=True)["global_step"], threading.current_thread().name))
+
+    def rollout(self):
+        events.append(("rollout", self.current_epoch, threading.current_thread().name))
+        return real_rollout(self)
+
+    checks = []
+
+    def step(self, minibatch, batch_idx):
+        if batch_idx == 0 and self.current_epoch > 0:  # no optimizer step yet in this phase
+            saved = torch.load(Path(self.trainer.checkpoint_callback.dirpath) / "last.ckpt", weights_only=True)
+            live = self.state_dict()
+            checks.append(saved["global_step"] == self.global_step
+                          and all(torch.equal(value, live[key]) for key, value in saved["state_dict"].items()))
+        return real_step(self, minibatch, batch_idx)
+
+    monkeypatch.setattr(checkpointing, "write_atomically", slow_write)
+    monkeypatch.setattr(GRPOModule, "on_train_epoch_start", rollout)
+    monkeypatch.setattr(GRPOModule, "training_step", step)
+    cli.main([
+        "fit", "--model.model_name_or_path", tiny_model_dir, "--model.total_phases", "3", "--model.warmup_steps", "0",
+        "--model.batch_size", "4", "--model.num_minibatches", "2", "--model.gen_len", "4", "--model.lr", "0.01",
+        "--model.export_dir", "null", "--trainer.default_root_dir", str(tmp_path),
+        "--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true",
+    ])  # fmt: skip
+    main = threading.current_thread().name
+    assert [what for what, _, _ in events] == ["rollout", "rollout", "written", "rollout", "written", "written"]
+    assert [(n, thread) for what, n, thread in events if what == "rollout"] == [(0, main), (1, main), (2, main)]
+    assert [(n, thread) for what, n, thread in events if what == "written"] == [
+        (4, "checkpoint-writer_0"), (8, "checkpoint-writer_0"), (12, "checkpoint-writer_0")]  # 2 x 2 steps a phase
+    assert checks == [True, True]  # the checkpoint on disk held the weights the phase was about to change
 
 
 def _checkpoint(path: Path, step: int, age_s: float) -> Path:
