@@ -22,6 +22,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import functools
@@ -298,8 +299,11 @@ class PhaseCheckpoint(ModelCheckpoint):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
         # The rollout only read the weights and the optimizer state; the first optimizer step of the phase
-        # changes them in place, so the previous phase's checkpoint must be whole by now.
-        wait_for_checkpoint_writes(trainer)
+        # changes them in place, so the previous phase's checkpoint must be whole by now. The wait is the
+        # part of the write the rollout did not hide: perf/checkpoint_wait_s.
+        timer = getattr(pl_module, "timer", None)
+        with timer.measure("checkpoint_wait") if timer is not None else contextlib.nullcontext():
+            wait_for_checkpoint_writes(trainer)
 
     def on_fit_end(self, trainer, pl_module) -> None:
         wait_for_checkpoint_writes(trainer)  # the last phase's, before the export (a LoRA merge) runs

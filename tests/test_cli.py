@@ -101,7 +101,7 @@ def test_fit_from_the_command_line_writes_logs_checkpoint_and_export(tiny_model_
         "rollout/distinct_samples", "rollout/distinct_1", "rollout/distinct_2",
         "train/ratio_mean_phase", "train/ratio_max_phase",
         "perf/generate_s", "perf/score_s", "perf/ref_logprobs_s", "perf/learn_s", "perf/phase_s",
-        "perf/generated_tokens_per_s",
+        "perf/generated_tokens_per_s", "perf/checkpoint_wait_s",
     }  # fmt: skip
     per_step = {
         "train/objective", "train/clipped_surrogate", "train/kl_penalty", "train/clip_fraction",
