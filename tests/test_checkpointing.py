@@ -145,7 +145,7 @@ def test_each_phase_checkpoint_is_written_while_the_next_rollout_runs_and_whole_
     real_write, real_rollout, real_step = checkpointing.write_atomically, GRPOModule.on_train_epoch_start, GRPOModule.training_step
 
     def slow_write(path, write):
-        time.sleep(0.5)  # a write that outlasts the start of the next rollout
+        time.sleep(1.0)  # a write that outlasts the start of the next rollout (milliseconds after the save)
         real_write(path, write)
         if path.suffix == ".ckpt":
             events.append(("written", torch.load(path, weights_only=True)["global_step"], threading.current_thread().name))
