@@ -9,7 +9,9 @@
   it first: a kill in between would leave ``last.ckpt`` dangling).
 - The end-of-phase checkpoint is written in the background (``BackgroundWrites``), while the next
   phase's rollout runs: writing it (1.6 GB for SmolLM2-135M with its AdamW state) took 3-5 s a phase,
-  a third of the quickstart's time. The rollout only reads the weights and the optimizer state, so the
+  a third of the quickstart's time. Where a core is free (a GPU run, or PyTorch on fewer threads than
+  cores) the write is hidden; on 2 busy cores it is not, as it is kernel work more than waiting for the
+  disk (README, "Nothing lost"), and ``perf/checkpoint_wait_s`` says so. The rollout only reads the weights and the optimizer state, so the
   write takes them as they are, without a copy, and ``PhaseCheckpoint`` waits for it before the first
   learning step changes them. The file, then the link, then the deletion of the previous file are
   done in that order by one thread; a failed write cancels the link and the deletion queued after it,
