@@ -151,7 +151,7 @@ class LeanDecoder:
         self.scaling = attention.scaling
         prepare = not torch.is_grad_enabled()  # the prepared products have no backward
         # Linear modules that run themselves: a LoRA layer with live adapters under bf16, a DoRA layer (or all of
-        # them, where no products apply). The caller may prepare their own linear layers (packed_linear_weights).
+        # them, where no products apply). The caller may prepare their own linear layers (prepared_linear_layers).
         self.unprepared: list[torch.nn.Module] = []
         self.products = [_layer_products(layer, batch, prepare, self.unprepared) for layer in self.body.layers]
         self.head = (prepare and prepared_product((lm.lm_head,), batch)) or lm.lm_head

@@ -60,7 +60,7 @@ from .objectives import (
     get_logprobs_batched,
 )
 from .optim import get_optimizer_and_scheduler
-from .packed_linear import packed_linear_weights
+from .packed_linear import prepared_linear_layers
 from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen_keys
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
@@ -404,7 +404,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         context = self.policy.disable_adapter() if self.lora is not None else contextlib.nullcontext()
         # Where oneDNN multiplies (packed_linear.py: its layout fits any row count): fp32 on the AMD Zen 4
         # machine took 6-8 % off this pass on plain weights, and 7-9 % more laid out once; bf16 autocast too
-        with context, packed_linear_weights(reference, rows=None):
+        with context, prepared_linear_layers(reference, rows=None):
             chunk = self.phase_args.minibatch_size
             return get_logprobs_batched(reference, sample_ids, self.args.gen_len, chunk, attention_mask)
 

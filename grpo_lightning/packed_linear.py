@@ -171,7 +171,7 @@ def prepared_product(modules: Sequence[torch.nn.Module], rows: int | None) -> Ca
     ``x -> torch.cat([m(x) for m in modules], -1)``, through ``decode_matmul_backend()`` and without gradients.
     One product instead of several runs thin outputs (the key and value projections) nearer the peak.
 
-    ``rows``: as for ``packed_linear_weights``. None where the products do not apply (``product_setting``),
+    ``rows``: as for ``prepared_linear_layers``. None where the products do not apply (``product_setting``),
     where the weights are small (below ``MIN_PACKED_WEIGHT`` in all) or where a module is more than a linear
     map (``_linear_weight``): the caller then runs the modules themselves. A product computes with the weights
     as they were when it was prepared: prepare it again after they change (an optimizer step)."""
@@ -190,15 +190,17 @@ def prepared_product(modules: Sequence[torch.nn.Module], rows: int | None) -> Ca
 
 
 @contextlib.contextmanager
-def packed_linear_weights(model: torch.nn.Module, rows: int | None):
-    """Within the block, ``model``'s linear layers multiply without gradients through ``decode_matmul_backend()``.
+def prepared_linear_layers(model: torch.nn.Module, rows: int | None):
+    """Within the block, ``model``'s linear layers multiply without gradients through prepared products, as
+    ``product_setting`` chooses them (fp32: ``decode_matmul_backend()``; bf16 autocast: oneDNN's bf16 product).
 
     ``rows`` is the number of token positions per decode step (the group size B), which MKL packs for;
     None for passes of any row count (the reference's), where only oneDNN, whose layout fits any row count,
     applies. A LoRA layer whose adapters are on is prepared as one merged weight ``W + scaling * B @ A`` (the
-    same function, one product instead of three); with its adapters off, as its base layer's. Laying the
-    weights out takes one pass over them and as much memory again as the linear weights; both are freed at
-    the end."""
+    same function, one product instead of three), except under bf16, where the merged weight would round the
+    adapters' small delta away: there its base layer and its A and B are prepared each; with its adapters off,
+    as its base layer's. Laying the weights out takes one pass over them and as much memory again as the
+    linear weights; both are freed at the end."""
     setting = product_setting(model)
     # rows=None: passes of varying row counts (the reference's), which MKL's packing cannot serve.
     if setting is None or (rows is None and setting[0] == "mkl"):

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from .fast_decode import ModelDecoder, make_decoder
 from .interrupt import stop_point
-from .packed_linear import packed_linear_weights
+from .packed_linear import prepared_linear_layers
 
 # A start-of-document token marks "a new text begins here", the context the model saw at the start
 # of its pretraining documents. Tokenizers name it differently; the first one found is used.
@@ -102,9 +102,9 @@ def sample_completions_with_logprobs(
     # place, and so do the modules the lean decoder leaves to themselves (live LoRA adapters under bf16: their base layers).
     products = contextlib.nullcontext()
     if isinstance(decoder, ModelDecoder):
-        products = packed_linear_weights(model, rows=batch)
+        products = prepared_linear_layers(model, rows=batch)
     elif decoder.unprepared:
-        products = packed_linear_weights(torch.nn.ModuleList(decoder.unprepared), rows=batch)
+        products = prepared_linear_layers(torch.nn.ModuleList(decoder.unprepared), rows=batch)
     with products:
         logits = decoder.prompt(prompt_ids).float()  # (B, V)
         for step in range(gen_len):

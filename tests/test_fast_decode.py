@@ -13,7 +13,7 @@ from grpo_lightning.fast_decode import LeanDecoder, ModelDecoder, make_decoder, 
 from grpo_lightning.lora import LoraSettings, apply_lora
 from grpo_lightning import fast_decode, packed_linear
 from grpo_lightning.config import GRPOError
-from grpo_lightning.packed_linear import packed_linear_weights, product_setting
+from grpo_lightning.packed_linear import prepared_linear_layers, product_setting
 from grpo_lightning.sampling import sample_completions_with_logprobs, softmax_parts
 
 
@@ -129,7 +129,7 @@ def test_decode_products_give_f_linear_results(decode_matmul, backend):
     model = torch.nn.Sequential(layer, other)
     x = torch.randn(6, 1, 96)
     assert product_setting(model) == (backend, torch.float32)
-    with packed_linear_weights(model, rows=6):
+    with prepared_linear_layers(model, rows=6):
         assert "forward" in vars(layer) and "forward" not in vars(other)
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)
         x7 = torch.randn(7, 96)  # another row count: MKL's packing does not fit it, the ordinary product runs
@@ -145,7 +145,7 @@ def test_passes_of_any_row_count_use_onednn_only(decode_matmul, backend):
     decode_matmul(backend)
     layer = torch.nn.Linear(96, 80)
     x = torch.randn(3, 11, 96)
-    with packed_linear_weights(layer, rows=None):  # the reference's forward: rows vary, nothing to pack for
+    with prepared_linear_layers(layer, rows=None):  # the reference's forward: rows vary, nothing to pack for
         assert ("forward" in vars(layer)) == (backend == "onednn")
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-6, atol=1e-6)
 
@@ -183,7 +183,7 @@ def test_packing_is_off_under_fp16_autocast_and_with_gradients():
     with torch.autocast("cpu", dtype=torch.float16):  # only bf16 autocast has prepared products
         assert product_setting(layer) is None
     x = torch.randn(4, 96, requires_grad=True)
-    with packed_linear_weights(layer, rows=4):
+    with prepared_linear_layers(layer, rows=4):
         layer(x).sum().backward()  # with gradients enabled the packed product (no backward) is not used
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(4, -1))
 
@@ -222,7 +222,7 @@ def test_bf16_products_compute_exactly_what_autocast_computes(decode_matmul):
         x3 = torch.randn(3, 96)  # any row count
         assert torch.equal(qkv(x3), torch.cat([q(x3), k(x3), v(x3)], dim=-1))
         expected3 = torch.nn.functional.linear(x3, q.weight, q.bias)
-        with packed_linear_weights(q, rows=None):  # the reference's pass: the layer itself, patched
+        with prepared_linear_layers(q, rows=None):  # the reference's pass: the layer itself, patched
             assert "forward" in vars(q) and torch.equal(q(x3), expected3)
     assert expected3.dtype == torch.bfloat16
 
@@ -239,7 +239,7 @@ def test_bf16_products_leave_live_lora_adapters_to_their_own_forward(decode_matm
         # A delta merged into a bf16 weight would round away: the LoRA layer runs itself, on a prepared base
         assert packed_linear.prepared_product((attn.q_proj,), rows=3) is None
         expected = lora(input_ids=ids).logits
-        with packed_linear_weights(lora, rows=None):
+        with prepared_linear_layers(lora, rows=None):
             assert "forward" not in vars(attn.q_proj) and "forward" in vars(attn.q_proj.base_layer)
             assert torch.equal(lora(input_ids=ids).logits, expected)
         with lora.disable_adapter():  # the reference: the base weights alone, prepared whole
@@ -301,14 +301,14 @@ def test_packed_lora_layers_compute_the_adapted_and_the_switched_off_model(decod
             without = lora(input_ids=ids).logits
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
-        with torch.no_grad(), packed_linear_weights(lora, rows=3 * 6):  # the whole sequence: every product packed
+        with torch.no_grad(), prepared_linear_layers(lora, rows=3 * 6):  # the whole sequence: every product packed
             q_proj = lora.get_base_model().model.layers[0].self_attn.q_proj
             assert "forward" in vars(q_proj) and "forward" not in vars(q_proj.base_layer)  # one merged product
             torch.testing.assert_close(lora(input_ids=ids).logits, with_adapters, rtol=0, atol=1e-5)
-        with torch.no_grad(), lora.disable_adapter(), packed_linear_weights(lora, rows=3 * 6):
+        with torch.no_grad(), lora.disable_adapter(), prepared_linear_layers(lora, rows=3 * 6):
             assert "forward" in vars(q_proj) and "forward" not in vars(q_proj.base_layer)  # adapters off: the base weight
             torch.testing.assert_close(lora(input_ids=ids).logits, without, rtol=0, atol=1e-5)
-        with packed_linear_weights(lora, rows=3 * 6):  # gradients on: the adapters' own forward, and their gradients
+        with prepared_linear_layers(lora, rows=3 * 6):  # gradients on: the adapters' own forward, and their gradients
             lora(input_ids=ids).logits.sum().backward()
     grads = [p.grad for n, p in lora.named_parameters() if "lora_A" in n]
     assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
