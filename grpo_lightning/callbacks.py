@@ -26,8 +26,8 @@ class StopAtSafePoints(L.Callback):
         # reported; if it cannot be, the run says why, and the one before it is reported.
         try:
             wait_for_checkpoint_writes(trainer)
-        except CheckpointError as error:
-            if error is not exception and trainer.is_global_zero:
+        except CheckpointError as error:  # one the run had not raised yet: its own error is the one ending it
+            if trainer.is_global_zero:
                 print(f"error: {error}", file=sys.stderr, flush=True)
         callback = trainer.checkpoint_callback
         # This run's newest whole checkpoint; before it wrote one, the checkpoint it resumed from (if any).
