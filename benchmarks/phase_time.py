@@ -53,14 +53,16 @@ A forward pass over b sequences that adds n new positions after c cached ones, w
                                             pair; a causal query at position p sees p keys; d_attn = heads*head_dim
   generation = prompt forward, once for the group (b = 1, n = P, c = 0, L = 1: every row shares the prompt)
                + (gen_len - 1) one-token steps (n = 1, c = P + t, L = 1)
-  log-probs  = one forward of the whole group (n = P + gen_len, c = 0, L = gen_len: the unembedding runs only on
-               the positions that predict generated tokens)
+  log-probs  = one forward of the whole group but its last token (n = P + gen_len - 1, c = 0, L = gen_len: the
+               unembedding runs only on the positions that predict generated tokens, and the last token predicts
+               none). The workloads' 3-token prompt is too short for the prompt to be run once per group
+               (grpo_lightning.shared_prompts: it would save about 9 % of the positions, under its 15 % threshold)
   learning   = 3 x the forward of every minibatch (backward = 2 x forward), summed over all minibatches; these
                are model FLOPs: the forward that --activation-checkpointing repeats is not counted as work
 For the embedded SmolLM2-135M (N = 106.2M, d_model = 576, V = 49152, 30 layers, d_attn = 576, P = 3 tokens for
-"<|endoftext|>This is"), one forward of the default group (128 x 33 tokens) is 1.13 TFLOP (897 GFLOP of layer matmuls,
-225 of lm head, 5 of attention), so a default learning phase is 3 x 2 passes x 1.13 = 6.8 TFLOP, and a small one
-is 3 x 0.28 = 0.84 TFLOP. Generation costs about one forward of the group (1.00 TFLOP default, 0.25 small).
+"<|endoftext|>This is"), one forward of the default group (128 x 32 of its 33 tokens) is 1.09 TFLOP (870 GFLOP of
+layer matmuls, 217 of lm head, 5 of attention), so a default learning phase is 3 x 2 passes x 1.09 = 6.6 TFLOP, and a
+small one is 3 x 0.27 = 0.82 TFLOP. Generation costs about one forward of the group (1.00 TFLOP default, 0.25 small).
 
 How to read the output
 ----------------------
@@ -211,8 +213,8 @@ def phase_flops(dims: ModelDims, args: GRPO_Args, prompt_len: int, finetune: str
     generate = forward_flops(dims, 1, prompt_len, 0, 1) + sum(
         forward_flops(dims, batch, 1, prompt_len + t, 1) for t in range(gen_len - 1)
     )
-    # Chunking into minibatches does not change the count: it is linear in the batch.
-    logprobs = forward_flops(dims, batch, seq_len, 0, gen_len)
+    # Chunking into minibatches does not change the count: it is linear in the batch. The last token is not run.
+    logprobs = forward_flops(dims, batch, seq_len - 1, 0, gen_len)
     # Every sequence once per pass; backward = 2x forward (activation and weight gradients), or 1x with
     # LoRA, whose frozen base weights need no weight gradients (the adapters' own FLOPs are negligible).
     # Model FLOPs only: activation checkpointing's recomputed forward is not counted as useful work.

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from .interrupt import stop_point
+from .shared_prompts import shareable_prompt_groups, shared_prompt_logits
 
 # ---------------------------------------------------------------------------------------------
 # Advantages
@@ -144,23 +145,37 @@ def generated_logprobs(
     float32 log-probabilities of the generated tokens, with the unembedding run on exactly the T positions
     that predict them. ``get_logits`` keeps T + 1 positions and ``get_logprobs`` drops the last: that costs
     one more position of the (d_model x V) head and, in a learning step, a copy of the (b, T, V) logits
-    and a zero-filled gradient for the dropped column.
+    and a zero-filled gradient for the dropped column. The last token is not run at all: nothing it
+    predicts is scored.
+
+    Where rows share long prompts (a GRPO group's G completions of one prompt), each distinct prompt runs
+    once and the completions attend to its keys and values (``shared_prompts``): the same values, to float
+    rounding, for fewer positions.
 
     ``attention_mask`` (b, S): 0 on left padding (prompts of different lengths in one batch); the
     positions then count from each sequence's first real token, as if it were unpadded."""
-    seq_len = sample_ids.shape[1]
+    targets = sample_ids[:, -gen_len:]  # (b, T)
+    groups = shareable_prompt_groups(model, sample_ids, gen_len, attention_mask)
+    if groups is not None:
+        first, rest = shared_prompt_logits(model, sample_ids, gen_len, attention_mask, groups)  # (u, V), (b, T-1, V)
+        b, _, V = rest.shape
+        first_logprobs = selective_log_softmax(first[groups.row_prompt], targets[:, 0])  # (b,)
+        rest_logprobs = selective_log_softmax(rest.reshape(-1, V), targets[:, 1:].reshape(-1)).view(b, gen_len - 1)
+        return torch.cat([first_logprobs[:, None], rest_logprobs], dim=1)
+    run = sample_ids[:, :-1]  # (b, S - 1)
+    seq_len = run.shape[1]
     # Position s predicts the token at s + 1. Given as indices, not a slice: indexing copies the (b, T, d)
     # hidden states into one contiguous block, which the unembedding multiplies as a single matrix product;
     # a strided slice of them sends it through a batched product with the weight broadcast per sequence,
     # 2-3x slower forward and backward when the weight is frozen (LoRA).
-    predicting = torch.arange(seq_len - gen_len - 1, seq_len - 1, device=sample_ids.device)
+    predicting = torch.arange(seq_len - gen_len, seq_len, device=sample_ids.device)
     padding = {}
     if attention_mask is not None:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        padding = {"attention_mask": attention_mask, "position_ids": position_ids}
-    logits = model(input_ids=sample_ids, logits_to_keep=predicting, **padding).logits  # (b, T, V)
+        position_ids = (attention_mask[:, :-1].long().cumsum(-1) - 1).clamp(min=0)
+        padding = {"attention_mask": attention_mask[:, :-1], "position_ids": position_ids}
+    logits = model(input_ids=run, logits_to_keep=predicting, **padding).logits  # (b, T, V)
     b, T, V = logits.shape
-    return selective_log_softmax(logits.reshape(b * T, V), sample_ids[:, -gen_len:].reshape(b * T)).view(b, T)
+    return selective_log_softmax(logits.reshape(b * T, V), targets.reshape(b * T)).view(b, T)
 
 
 @torch.no_grad()

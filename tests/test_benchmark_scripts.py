@@ -27,8 +27,10 @@ def test_phase_flops_counts_old_logprobs_only_when_recomputed(recompute):
                      warmup_steps=0)  # fmt: skip
     opts = argparse.Namespace(recompute_old_logprobs=recompute, activation_checkpointing=False)
     flops = phase_flops(DIMS, args, prompt_len=2, finetune="full", opts=opts)
-    # logits at the gen_len = 3 positions that predict generated tokens
-    one_forward = forward_flops(DIMS, batch=4, new=5, cached=0, logit_positions=3)
+    # 4 of the 5 tokens run (the last predicts nothing scored), logits at the gen_len = 3 positions that predict
+    # generated tokens: 2*1000*4*4 + 2*10*50*4*3 + 4*2*8*4*(1+2+3+4) = 32000 + 12000 + 2560
+    one_forward = forward_flops(DIMS, batch=4, new=4, cached=0, logit_positions=3)
+    assert one_forward == 46560
     assert flops["ref_lp"] == one_forward
     # the prompt once, on one row: 2*1000*1*2 + 2*10*50*1 + 4*2*8*1*(1+2) = 5192; then 2 steps of 4 rows after
     # 2 and 3 cached positions: 8000 + 4000 + 4*2*8*4*3 = 12768 and 8000 + 4000 + 4*2*8*4*4 = 13024
