@@ -145,3 +145,29 @@ def test_models_of_other_shapes_run_whole_rows():
     calls = count_calls(model)
     generated_logprobs(model, ids, GEN_LEN)
     assert calls == [(4, 11 + GEN_LEN)]
+
+
+def test_a_model_sharded_by_fsdp_runs_whole_rows():
+    """FSDP would run each shard's forward twice before one backward: not measured, so not done."""
+    dist = torch.distributed
+    if not dist.is_available():
+        pytest.skip("this torch has no torch.distributed")
+    fsdp = pytest.importorskip("torch.distributed.fsdp")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("this torch has no fully_shard")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # one process, in memory
+    try:
+        model = build_tiny_llama(VOCAB, seed=3)
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fsdp.fully_shard(layer, mesh=mesh)
+        fsdp.fully_shard(model, mesh=mesh)
+        assert not can_share_prompts(model)
+        ids, _ = group_batch([12], rows_per_prompt=4)
+        calls = count_calls(model)
+        generated_logprobs(model, ids, GEN_LEN)
+        assert calls == [(4, 11 + GEN_LEN)]
+    finally:
+        dist.destroy_process_group()
