@@ -280,3 +280,52 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(t
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no partial file
     monkeypatch.undo()
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 4
+
+
+def test_a_stop_while_the_background_write_fails_names_the_checkpoint_before_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import signal
+    import sys
+
+    from grpo_lightning import cli
+    from grpo_lightning.module import GRPOModule
+
+    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
+    saves = 0
+    real_save, real_rollout = torch.save, GRPOModule.on_train_epoch_start
+
+    def slow_and_full_from_the_second_phase(obj, file, *args, **kwargs):
+        nonlocal saves
+        saves += 1
+        if saves >= 2:
+            time.sleep(1.0)  # still being written when phase 3's rollout asks to stop
+            file.write(b"the start of a checkpoint")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, file, *args, **kwargs)
+
+    def rollout(self):
+        if self.current_epoch == 2:
+            signal.raise_signal(signal.SIGINT)  # Ctrl-C: the rollout's first safe point stops the run
+        return real_rollout(self)
+
+    monkeypatch.setattr(checkpointing.torch, "save", slow_and_full_from_the_second_phase)
+    monkeypatch.setattr(GRPOModule, "on_train_epoch_start", rollout)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([
+            "fit", "--model.model_name_or_path", tiny_model_dir, "--model.total_phases", "3", "--model.warmup_steps", "0",
+            "--model.batch_size", "4", "--model.num_minibatches", "2", "--model.gen_len", "4",
+            "--model.export_dir", "null", "--trainer.default_root_dir", str(tmp_path),
+            "--trainer.enable_progress_bar", "false",
+        ])  # fmt: skip
+    err = capsys.readouterr().err
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    assert exit_info.value.code == 128 + signal.SIGINT and "Traceback" not in err
+    # The write's failure is said once; the stop then names the checkpoint before it, which last.ckpt still links to.
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1
+    assert errors[0].startswith(f"error: could not write checkpoint {checkpoints / 'epoch=1-step=8.ckpt'}: No space left on device")
+    assert "stopped by SIGINT during phase 3" in err
+    resume_line = next(line for line in err.splitlines() if "resume with: " in line)
+    assert resume_line.split("the last checkpoint is ")[1].split(";")[0] == str(checkpoints / "last.ckpt")
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no partial file
+    monkeypatch.undo()
+    assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 4
