@@ -102,7 +102,7 @@ import transformers
 
 from grpo_lightning import GRPO_Args, GRPOModule
 from grpo_lightning.machine import competing_processes, keep_freed_memory_for_reuse, matmul_gflops
-from grpo_lightning.packed_linear import decode_matmul_backend, product_setting
+from grpo_lightning.packed_linear import cpu_fp32_product_setting, decode_matmul_backend
 from grpo_lightning.precision import cpu_info, precision_warning
 from grpo_lightning.sampling import encode_prompt
 
@@ -310,7 +310,7 @@ def decode_products(precision: str) -> str:
     if precision == "32-true":
         return decode_matmul_backend()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        prepared = product_setting(torch.nn.Linear(1, 1)) is not None
+        prepared = cpu_fp32_product_setting() is not None
     return "onednn (bf16, laid out once)" if prepared else "autocast (oneDNN bf16, as is)"
 
 

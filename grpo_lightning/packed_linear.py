@@ -97,6 +97,11 @@ def product_setting(model: torch.nn.Module) -> tuple[str, torch.dtype] | None:
     weight = next(model.parameters(), None)
     if weight is None or weight.device.type != "cpu" or weight.dtype != torch.float32:
         return None
+    return cpu_fp32_product_setting()
+
+
+def cpu_fp32_product_setting() -> tuple[str, torch.dtype] | None:
+    """``product_setting`` of any model with fp32 weights on the CPU, here and now (in or out of autocast)."""
     backend = decode_matmul_backend()
     if torch.is_autocast_enabled("cpu"):
         bf16 = torch.get_autocast_dtype("cpu") == torch.bfloat16
