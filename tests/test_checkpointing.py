@@ -246,24 +246,29 @@ def test_load_from_checkpoint_is_weights_only_by_default(tmp_path):
         GRPOModule.load_from_checkpoint(path)
 
 
-def test_a_full_disk_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    import sys
-
-    from grpo_lightning import cli
-
-    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
-    saves = 0
-    real_save = torch.save
+def fill_the_disk_from_the_second_save(monkeypatch, write_s: float = 0.0) -> None:
+    """From the second checkpoint on, each write takes ``write_s``, writes a few bytes, then finds the disk full."""
+    saves, real_save = 0, torch.save
 
     def full_from_the_second_phase(obj, file, *args, **kwargs):
         nonlocal saves
         saves += 1
         if saves >= 2:
+            time.sleep(write_s)
             file.write(b"the start of a checkpoint")
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_save(obj, file, *args, **kwargs)
 
     monkeypatch.setattr(checkpointing.torch, "save", full_from_the_second_phase)
+
+
+def fit_three_phases_expecting_an_exit(tiny_model_dir, tmp_path, monkeypatch) -> int:
+    """A 3-phase run of the tiny model through the command line, which must exit; returns its exit code."""
+    import sys
+
+    from grpo_lightning import cli
+
+    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
     with pytest.raises(SystemExit) as exit_info:
         cli.main([
             "fit", "--model.model_name_or_path", tiny_model_dir, "--model.total_phases", "3", "--model.warmup_steps", "0",
@@ -271,10 +276,16 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(t
             "--model.export_dir", "null", "--trainer.default_root_dir", str(tmp_path),
             "--trainer.enable_progress_bar", "false",
         ])  # fmt: skip
+    return exit_info.value.code
+
+
+def test_a_full_disk_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    fill_the_disk_from_the_second_save(monkeypatch)
+    code = fit_three_phases_expecting_an_exit(tiny_model_dir, tmp_path, monkeypatch)
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
-    assert exit_info.value.code == 1 and errors == [err.splitlines()[-1]] and "Traceback" not in err
+    assert code == 1 and errors == [err.splitlines()[-1]] and "Traceback" not in err
     assert errors[0].startswith(f"error: could not write checkpoint {checkpoints / 'epoch=1-step=8.ckpt'}: No space left on device")
     assert errors[0].endswith(f"the last checkpoint, intact, is {checkpoints / 'last.ckpt'} (resume with --ckpt_path {checkpoints / 'last.ckpt'})")
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no partial file
@@ -284,41 +295,22 @@ def test_a_full_disk_mid_run_stops_with_one_line_and_keeps_the_last_checkpoint(t
 
 def test_a_stop_while_the_background_write_fails_names_the_checkpoint_before_it(tiny_model_dir, tmp_path, monkeypatch, capsys):
     import signal
-    import sys
 
-    from grpo_lightning import cli
     from grpo_lightning.module import GRPOModule
 
-    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
-    saves = 0
-    real_save, real_rollout = torch.save, GRPOModule.on_train_epoch_start
-
-    def slow_and_full_from_the_second_phase(obj, file, *args, **kwargs):
-        nonlocal saves
-        saves += 1
-        if saves >= 2:
-            time.sleep(1.0)  # still being written when phase 3's rollout asks to stop
-            file.write(b"the start of a checkpoint")
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real_save(obj, file, *args, **kwargs)
+    real_rollout = GRPOModule.on_train_epoch_start
 
     def rollout(self):
         if self.current_epoch == 2:
             signal.raise_signal(signal.SIGINT)  # Ctrl-C: the rollout's first safe point stops the run
         return real_rollout(self)
 
-    monkeypatch.setattr(checkpointing.torch, "save", slow_and_full_from_the_second_phase)
+    fill_the_disk_from_the_second_save(monkeypatch, write_s=1.0)  # still being written when phase 3 asks to stop
     monkeypatch.setattr(GRPOModule, "on_train_epoch_start", rollout)
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main([
-            "fit", "--model.model_name_or_path", tiny_model_dir, "--model.total_phases", "3", "--model.warmup_steps", "0",
-            "--model.batch_size", "4", "--model.num_minibatches", "2", "--model.gen_len", "4",
-            "--model.export_dir", "null", "--trainer.default_root_dir", str(tmp_path),
-            "--trainer.enable_progress_bar", "false",
-        ])  # fmt: skip
+    code = fit_three_phases_expecting_an_exit(tiny_model_dir, tmp_path, monkeypatch)
     err = capsys.readouterr().err
     checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
-    assert exit_info.value.code == 128 + signal.SIGINT and "Traceback" not in err
+    assert code == 128 + signal.SIGINT and "Traceback" not in err
     # The write's failure is said once; the stop then names the checkpoint before it, which last.ckpt still links to.
     errors = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1
