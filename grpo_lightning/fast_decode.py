@@ -144,6 +144,7 @@ class LeanDecoder:
         lm = _language_model(model)
         self.lm, self.body, self.config = lm, lm.model, lm.config
         self.max_len, self.length = max_len, 0
+        self.pads: Tensor | None = None  # (B,) left-padding columns of each row; None: no row is padded
         attention = self.body.layers[0].self_attn
         self.head_dim = attention.head_dim
         self.kv_heads = self.config.num_key_value_heads
@@ -166,26 +167,38 @@ class LeanDecoder:
         half = self.head_dim // 2
         self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
 
-    def prompt(self, ids: Tensor) -> Tensor:
-        """The first call: the prompts (B, P). Rows that are all one prompt run as one row."""
-        batch = ids.shape[0]
-        if batch == 1 or self.length or not bool((ids == ids[:1]).all()):
+    def prompt(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        """The first call: the prompts (B, P), left-padded where ``attention_mask`` (B, P) is 0 (prompts of
+        different lengths). Each distinct prompt runs once, on one row, and its keys and values are copied to
+        the rows that share it: the G rows of a GRPO group, or of each group where several are decoded together."""
+        if self.length:
             return self.step(ids)
-        logits = self.step(ids[:1])  # (1, V)
+        self.pads = left_padding(attention_mask)
+        distinct = ids if self.pads is None else torch.cat([ids, self.pads[:, None]], dim=1)
+        first_rows, row_prompt = distinct_rows(distinct)
+        if len(first_rows) == ids.shape[0]:
+            return self.step(ids)
+        logits = self._forward(ids[first_rows], None if self.pads is None else self.pads[first_rows])  # (u, V)
         for cache in (self.keys, self.values):
-            cache[:] = [layer.expand(batch, *layer.shape[1:]).clone() for layer in cache]
-        return logits.expand(batch, -1)
+            cache[:] = [layer.index_select(0, row_prompt) for layer in cache]
+        return logits[row_prompt]
 
     def step(self, ids: Tensor) -> Tensor:
+        return self._forward(ids, self.pads)
+
+    def _forward(self, ids: Tensor, pads: Tensor | None) -> Tensor:
         new = ids.shape[1]
         start, end = self.length, self.length + new
         if end > self.max_len:
             raise ValueError(f"LeanDecoder holds {self.max_len} positions; {end} were asked for")
-        cos = self.cos[start:end].view(1, new, 1, self.head_dim)  # broadcasts over (B, n, heads, hd)
-        sin = self.signed_sin[start:end].view(1, new, 1, self.head_dim)
-        mask = None
-        if new > 1:  # causal within the new positions; every cached position is visible to each of them
-            mask = torch.ones(new, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)
+        if pads is None:
+            cos = self.cos[start:end].view(1, new, 1, self.head_dim)  # broadcasts over (B, n, heads, hd)
+            sin = self.signed_sin[start:end].view(1, new, 1, self.head_dim)
+            mask = None
+            if new > 1:  # causal within the new positions; every cached position is visible to each of them
+                mask = torch.ones(new, end, dtype=torch.bool, device=ids.device).tril(diagonal=start)
+        else:
+            cos, sin, mask = self._padded_positions(pads, start, end)
         hidden = self.body.embed_tokens(ids)  # (B, n, d)
         for index, (layer, products) in enumerate(zip(self.body.layers, self.products)):
             attended = self._attention(products, _rms_norm(layer.input_layernorm, hidden), index, start, cos, sin, mask)
@@ -195,6 +208,21 @@ class LeanDecoder:
         self.length = end
         last = _rms_norm(self.body.norm, hidden[:, -1:])  # (B, 1, d): only the last position's logits are needed
         return self.head(last)[:, 0]  # (B, V)
+
+    def _padded_positions(self, pads: Tensor, start: int, end: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Rotary tables and attention mask for rows with ``pads`` (B,) padding columns on the left: each row's
+        positions count from its first real token, as the training forward counts them (from the attention
+        mask), and no query sees a padding key. A padding query sees itself only: its values are never read,
+        but a query that sees nothing would make NaNs, which the masked weights (0 * NaN) would spread. (Rotary
+        scores depend on position differences only, so shifted positions would give the same values; counted
+        as the training forward counts them, they also round as it does.)"""
+        columns = torch.arange(start, end, device=pads.device)
+        positions = (columns[None, :] - pads[:, None]).clamp(min=0)  # (B, n)
+        cos, sin = self.cos[positions].unsqueeze(2), self.signed_sin[positions].unsqueeze(2)  # (B, n, 1, hd)
+        keys = torch.arange(end, device=pads.device)
+        causal = keys[None, :] <= columns[:, None]  # (n, S)
+        visible = (causal[None] & (keys[None, None, :] >= pads[:, None, None])) | (keys[None, :] == columns[:, None])
+        return cos, sin, visible[:, None, None]  # mask (B, 1, 1, n, S): broadcasts over (B, kv, groups, n, S)
 
     def _attention(self, products: _LayerProducts, x: Tensor, index: int, start: int, cos, sin, mask) -> Tensor:
         batch, new, _ = x.shape
@@ -228,17 +256,44 @@ class ModelDecoder:
     """The same interface over the model's own KV-cached forward: any causal LM."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model, self.cache = model, None
+        self.model, self.cache, self.mask = model, None, None
         self.cache_arg = _cache_argument(model)
 
-    def prompt(self, ids: Tensor) -> Tensor:
+    def prompt(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
+        self.mask = None if left_padding(attention_mask) is None else attention_mask.long()
         return self.step(ids)
 
     def step(self, ids: Tensor) -> Tensor:
-        cache = {} if self.cache is None else {self.cache_arg: self.cache}
-        outputs = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **cache)
+        options = {} if self.cache is None else {self.cache_arg: self.cache}
+        if self.mask is not None:  # left padding: the mask grows with each token; positions count real tokens
+            if self.cache is not None:
+                self.mask = torch.cat([self.mask, self.mask.new_ones(ids.shape)], dim=1)
+            positions = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1] :]
+            options.update(attention_mask=self.mask, position_ids=positions)
+        outputs = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **options)
         self.cache = getattr(outputs, self.cache_arg)
         return outputs.logits[:, -1]  # (B, V)
+
+
+def left_padding(attention_mask: Tensor | None) -> Tensor | None:
+    """The padding columns (B,) of each row of a left-padded (B, P) ``attention_mask`` (zeros, then ones);
+    None where nothing is padded."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    mask = attention_mask.long()
+    if bool((mask[:, 1:] < mask[:, :-1]).any()) or bool((mask[:, -1] == 0).any()):
+        raise ValueError("attention_mask must pad on the left only: zeros, then ones, and a real last token")
+    return mask.shape[1] - mask.sum(-1)
+
+
+def distinct_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """``(first_rows, row_index)`` of (B, k) ``rows``: one row index of each distinct row (u,), and for each
+    row the index in ``first_rows`` of its distinct row (B,)."""
+    _, row_index = torch.unique(rows, dim=0, return_inverse=True)
+    count = int(row_index.max()) + 1
+    first_rows = torch.empty(count, dtype=torch.long, device=rows.device)
+    first_rows.scatter_(0, row_index, torch.arange(len(row_index), device=rows.device))
+    return first_rows, row_index
 
 
 def make_decoder(model: torch.nn.Module, batch: int, max_len: int) -> LeanDecoder | ModelDecoder:

@@ -1,9 +1,12 @@
 """The rollout's sampling: one GRPO group of completions per prompt row, stacked into one batch.
 
-Each group shares one prompt, so it is sampled as one unpadded batch (the KV-cached decoder needs no
-attention mask). Groups of different prompt lengths are then stacked with left padding, so that the
-completions stay the last ``gen_len`` columns, and an attention mask marks the padding; with a single
-prompt (the chapter's run) nothing is padded and the mask is None.
+The groups of a phase are sampled together, up to ``ROWS_PER_DECODE`` rows in one decode: prompts of
+different lengths are left-padded, each distinct prompt runs once, and every decode step runs all rows.
+A decode step costs about as much for 64 rows as for 16 (its small operations cost per call, not per
+row), so four groups of 16 take half the time together that they take one after another. Each group
+is then kept unpadded; stacked again, with left padding, the completions stay the last ``gen_len``
+columns and an attention mask marks the padding. With a single prompt (the chapter's run) nothing is
+padded and the mask is None.
 """
 
 from __future__ import annotations
@@ -79,11 +82,17 @@ class Group:
     completions: list[str]
 
 
+# Rows decoded together, at most (a group larger than this is decoded alone). On the Zen 4 machine (2 cores,
+# bf16-mixed, 46-token prompts, 32 tokens) 4 groups of 16 took 8.7 s one after another and 4.2 s together;
+# at 128 rows the products already run near the peak, while the key/value cache grows with every row.
+ROWS_PER_DECODE = 128
+
+
 @torch.no_grad()
-def sample_group_of(
+def sample_prompt_groups(
     model: torch.nn.Module,
     tokenizer,
-    row: dict,
+    rows: list[dict],
     group_size: int,
     gen_len: int,
     temperature: float = 1.0,
@@ -91,18 +100,38 @@ def sample_group_of(
     stop_tokens: list[int] | None = None,
     chat_template: bool = False,
     max_positions: int | None = None,
-) -> Group:
-    """``group_size`` completions of ``row``'s prompt."""
+) -> list[Group]:
+    """``group_size`` completions of each row's prompt, one ``Group`` per row, in order."""
     device = next(model.parameters()).device
-    ids = prompt_ids(tokenizer, row["prompt"], start_token, chat_template).to(device)
-    if max_positions is not None and ids.shape[1] + gen_len > max_positions:
-        raise GRPOConfigError(
-            f"the prompt {row['prompt'][:40]!r}... is {ids.shape[1]} tokens: with gen_len {gen_len} it exceeds the "
-            f"model's context of {max_positions}; shorten it or lower gen_len"
-        )
-    sampled = sample_completions_with_logprobs(model, ids.repeat(group_size, 1), gen_len, temperature, stop_tokens)
+    prompts = [prompt_ids(tokenizer, row["prompt"], start_token, chat_template).to(device) for row in rows]
+    for row, ids in zip(rows, prompts):
+        if max_positions is not None and ids.shape[1] + gen_len > max_positions:
+            raise GRPOConfigError(
+                f"the prompt {row['prompt'][:40]!r}... is {ids.shape[1]} tokens: with gen_len {gen_len} it exceeds "
+                f"the model's context of {max_positions}; shorten it or lower gen_len"
+            )
+    per_decode = max(1, ROWS_PER_DECODE // group_size)
+    groups = []
+    for first in range(0, len(rows), per_decode):
+        batch = slice(first, first + per_decode)
+        groups += _sample_together(model, tokenizer, rows[batch], prompts[batch], group_size, gen_len, temperature,
+                                   stop_tokens)  # fmt: skip
+    return groups
+
+
+def _sample_together(model, tokenizer, rows, prompts, group_size, gen_len, temperature, stop_tokens) -> list[Group]:
+    """One decode for the groups of ``rows``, whose (1, P_i) prompt ids are ``prompts``; each group unpadded."""
+    ids, mask = left_pad([prompt.repeat(group_size, 1) for prompt in prompts], pad_token_id(tokenizer, stop_tokens))
+    sampled = sample_completions_with_logprobs(model, ids, gen_len, temperature, stop_tokens, attention_mask=mask)
     texts = decode_completions(tokenizer, sampled, gen_len)
-    return Group(row, sampled.sample_ids, sampled.logprobs, sampled.entropy, sampled.completion_mask, texts)
+    groups, longest = [], ids.shape[1]
+    for index, (row, prompt) in enumerate(zip(rows, prompts)):
+        members = slice(index * group_size, (index + 1) * group_size)
+        completion_mask = None if sampled.completion_mask is None else sampled.completion_mask[members]
+        unpadded = sampled.sample_ids[members, longest - prompt.shape[1] :]
+        groups.append(Group(row, unpadded, sampled.logprobs[members], sampled.entropy[members], completion_mask,
+                            texts[members]))  # fmt: skip
+    return groups
 
 
 def stack_groups(groups: list[Group], pad_id: int) -> GroupRollout:

@@ -17,18 +17,16 @@ from .memory import ReplayMemory
 from .objectives import compute_grpo_advantages, get_logprobs_batched
 from .phase_logging import RolloutRecord
 from .reward_checks import score_samples
-from .rollout import Group, flat_groups, pad_token_id, refill_seed, sample_group_of, stack_groups
+from .rollout import Group, flat_groups, pad_token_id, refill_seed, sample_prompt_groups, stack_groups
 
 
 def sample_groups(module, rows: list[dict]) -> list[Group]:
-    """One group of ``batch_size`` completions per row, timed as "generate"."""
+    """One group of ``batch_size`` completions per row, sampled together, timed as "generate"."""
     args = module.args
     with module.timer.measure("generate"):
-        return [
-            sample_group_of(module.policy, module.tokenizer, row, args.batch_size, args.gen_len, args.temperature,
-                            module.start_token, module.stop_tokens, module.chat_template, module.max_positions)
-            for row in rows
-        ]  # fmt: skip
+        return sample_prompt_groups(module.policy, module.tokenizer, rows, args.batch_size, args.gen_len,
+                                    args.temperature, module.start_token, module.stop_tokens, module.chat_template,
+                                    module.max_positions)  # fmt: skip
 
 
 def score_groups(module, groups: list[Group]) -> Tensor:

@@ -70,6 +70,22 @@ class SampledCompletions:
     completion_mask: Tensor | None = None  # (B, T) bool: True for generated tokens; None: all are (no stop tokens)
 
 
+@contextlib.contextmanager
+def decoding(model: torch.nn.Module, batch: int, max_len: int):
+    """A KV-cached decoder (``fast_decode.make_decoder``) for ``batch`` rows of at most ``max_len`` tokens, its
+    products prepared for decode shapes while the block runs: the lean decoder prepares its own, the model's
+    own forward gets its linear layers prepared in place, and so do the modules the lean decoder leaves to
+    themselves (live LoRA adapters under bf16: their base layers). Use under ``torch.no_grad()``."""
+    decoder = make_decoder(model, batch, max_len)
+    products = contextlib.nullcontext()
+    if isinstance(decoder, ModelDecoder):
+        products = prepared_linear_layers(model, rows=batch)
+    elif decoder.unprepared:
+        products = prepared_linear_layers(torch.nn.ModuleList(decoder.unprepared), rows=batch)
+    with products:
+        yield decoder
+
+
 @torch.no_grad()
 def sample_completions_with_logprobs(
     model: torch.nn.Module,
@@ -77,12 +93,15 @@ def sample_completions_with_logprobs(
     gen_len: int,
     temperature: float = 1.0,
     stop_tokens: list[int] | None = None,
+    attention_mask: Tensor | None = None,
 ) -> SampledCompletions:
     """Samples ``gen_len`` tokens after each row of ``prompt_ids`` (B, P), keeping log pi of each token.
 
-    A KV-cached loop (``grpo_lightning.fast_decode``): one forward of the prompt, then one token per
-    step sampled from ``softmax(logits / temperature)`` over the full vocabulary. The attention mask is
-    all ones (there is no padding), so the context sampled from is the one log-probabilities are taken on.
+    A KV-cached loop (``grpo_lightning.fast_decode``): one forward of the prompts (each distinct prompt
+    once), then one token per step sampled from ``softmax(logits / temperature)`` over the full vocabulary.
+    ``attention_mask`` (B, P): 0 on the left padding of prompts shorter than the longest, None where none
+    is; positions count from each row's first real token, as the learning step counts them, so the context
+    sampled from is the one log-probabilities are taken on.
 
     The log-probabilities and entropies are those of the policy itself (temperature 1), in float32,
     from the very logits the tokens were drawn from: they are log pi_old of the rollout, so the
@@ -94,19 +113,11 @@ def sample_completions_with_logprobs(
     tokens each, and no mask. Rows draw their random numbers the same way either way.
     """
     batch, prompt_len = prompt_ids.shape
-    decoder = make_decoder(model, batch, prompt_len + gen_len)
     new_ids, logprobs, entropy, alive = [], [], [], []
     stops = None if not stop_tokens else torch.tensor(stop_tokens, device=prompt_ids.device)
     running = torch.ones(batch, 1, dtype=torch.bool, device=prompt_ids.device)  # not yet ended
-    # The lean decoder prepares its own products; the model's own forward gets its linear layers prepared in
-    # place, and so do the modules the lean decoder leaves to themselves (live LoRA adapters under bf16: their base layers).
-    products = contextlib.nullcontext()
-    if isinstance(decoder, ModelDecoder):
-        products = prepared_linear_layers(model, rows=batch)
-    elif decoder.unprepared:
-        products = prepared_linear_layers(torch.nn.ModuleList(decoder.unprepared), rows=batch)
-    with products:
-        logits = decoder.prompt(prompt_ids).float()  # (B, V)
+    with decoding(model, batch, prompt_len + gen_len) as decoder:
+        logits = decoder.prompt(prompt_ids, attention_mask).float()  # (B, V)
         for step in range(gen_len):
             stop_point()  # Ctrl-C / SIGTERM abandons a rollout at the next token
             weights, log_normaliser, step_entropy = softmax_parts(logits)

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from .activation_checkpointing import checkpointed_layers
-from .fast_decode import SUPPORTED_MODEL_TYPES, _cache_argument, _language_model
+from .fast_decode import SUPPORTED_MODEL_TYPES, _cache_argument, _language_model, distinct_rows
 
 # The prompt positions saved, as a share of the positions a per-row forward runs, from which the prompts
 # are run once. On the Zen 4 machine, fp32: a learning step of 16 rows of a 3-token prompt (9 % saved) took as
@@ -51,11 +51,7 @@ def prompt_groups(sample_ids: Tensor, gen_len: int, attention_mask: Tensor | Non
     prompts = sample_ids[:, :-gen_len]
     if attention_mask is not None:
         prompts = torch.cat([prompts, attention_mask[:, :-gen_len].to(prompts.dtype)], dim=1)
-    _, row_prompt = torch.unique(prompts, dim=0, return_inverse=True)
-    rows = torch.arange(len(row_prompt), device=row_prompt.device)
-    count = int(row_prompt.max()) + 1
-    first_rows = torch.empty(count, dtype=rows.dtype, device=rows.device).scatter_(0, row_prompt, rows)
-    return PromptGroups(first_rows, row_prompt)
+    return PromptGroups(*distinct_rows(prompts))
 
 
 def saved_share(groups: PromptGroups, prompt_len: int, gen_len: int) -> float:

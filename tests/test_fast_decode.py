@@ -74,6 +74,68 @@ def test_prompts_that_differ_run_row_by_row_as_before(tiny_model):
     torch.testing.assert_close(torch.stack([first, *later], dim=1), full_forward(tiny_model, ids, 3), rtol=0, atol=1e-5)
 
 
+def left_padded_prompts(lengths: list[int], rows_each: int, extra: int, seed: int):
+    """Prompts of ``lengths`` tokens, each on ``rows_each`` rows, left-padded with id 0 to the longest, followed by
+    ``extra`` tokens of each row's own: (ids, mask, [each row unpadded])."""
+    generator = torch.Generator().manual_seed(seed)
+    longest, ids, mask, alone = max(lengths), [], [], []
+    for length in lengths:
+        prompt = torch.randint(1, 300, (1, length), generator=generator)
+        for _ in range(rows_each):
+            row = torch.cat([prompt, torch.randint(1, 300, (1, extra), generator=generator)], dim=1)
+            alone.append(row)
+            ids.append(torch.nn.functional.pad(row, (longest - length, 0)))
+            mask.append(torch.cat([torch.zeros(1, longest - length, dtype=torch.long), torch.ones_like(row)], dim=1))
+    return torch.cat(ids), torch.cat(mask), alone
+
+
+def tiny_gpt2():
+    """Absolute learned positions, where a row's positions must count from its first real token."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(5)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=300, n_positions=32, n_embd=32, n_layer=2, n_head=4)).eval()
+
+
+@pytest.mark.parametrize("decoder_kind", ["lean", "model", "model-gpt2"])
+@torch.no_grad()
+def test_left_padded_prompts_decode_as_each_row_alone(tiny_model, decoder_kind):
+    # two prompts of 3 and 5 tokens, 3 rows each, then 3 tokens per row: one decode, as each row would alone
+    ids, mask, alone = left_padded_prompts([3, 5], rows_each=3, extra=3, seed=7)
+    model = tiny_gpt2() if decoder_kind == "model-gpt2" else tiny_model
+    decoder = LeanDecoder(model, 6, 8) if decoder_kind == "lean" else ModelDecoder(model)
+    calls = []
+    embeddings = model.get_input_embeddings()
+    hook = embeddings.register_forward_hook(lambda module, inputs, output: calls.append(inputs[0].shape))
+    try:
+        first = decoder.prompt(ids[:, :5], mask[:, :5])
+    finally:
+        hook.remove()
+    later = [decoder.step(ids[:, t : t + 1]) for t in range(5, 8)]
+    together = torch.stack([first, *later], dim=1)  # (6, 4, V)
+    expected = torch.cat([full_forward(model, row, row.shape[1] - 3) for row in alone])
+    torch.testing.assert_close(together, expected, rtol=0, atol=1e-5)
+    assert calls == [torch.Size([2 if decoder_kind == "lean" else 6, 5])]  # the lean decoder runs each prompt once
+
+
+def test_a_mask_that_pads_on_the_right_is_refused(tiny_model):
+    with pytest.raises(ValueError, match="pad on the left only"):
+        LeanDecoder(tiny_model, 2, 6).prompt(torch.ones(2, 3, dtype=torch.long), torch.tensor([[1, 1, 0], [1, 1, 1]]))
+
+
+@torch.no_grad()
+def test_sampling_left_padded_prompts_keeps_the_log_probabilities_the_learning_step_computes(tiny_model):
+    from grpo_lightning.objectives import generated_logprobs
+
+    ids, mask, _ = left_padded_prompts([2, 6, 4], rows_each=2, extra=0, seed=8)
+    torch.manual_seed(0)
+    sampled = sample_completions_with_logprobs(tiny_model, ids, gen_len=5, attention_mask=mask)
+    full_mask = torch.cat([mask, torch.ones(6, 5, dtype=torch.long)], dim=1)
+    recomputed = generated_logprobs(tiny_model, sampled.sample_ids, 5, full_mask)
+    torch.testing.assert_close(sampled.logprobs, recomputed, rtol=0, atol=1e-5)
+    assert torch.equal(sampled.sample_ids[:, :6], ids)
+
+
 @torch.no_grad()
 def test_lean_decoder_runs_lora_adapters_and_their_switch(tiny_model):
     lora = lora_with_live_adapters(tiny_model)

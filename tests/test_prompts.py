@@ -82,6 +82,31 @@ def test_left_padded_sequences_get_the_log_probabilities_they_get_alone(tiny_mod
     assert left_pad([short, short], 0)[1] is None  # nothing padded: no mask
 
 
+def test_the_groups_of_a_phase_are_sampled_together_as_each_would_be_alone(tiny_model_dir, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from grpo_lightning import load_causal_lm, rollout
+
+    model, tokenizer = load_causal_lm(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{"prompt": "The cat"}, {"prompt": "Periods end sentences, and so on"}, {"prompt": "I thought"}]
+    decoded = []
+    sample = rollout.sample_completions_with_logprobs
+    monkeypatch.setattr(rollout, "sample_completions_with_logprobs",
+                        lambda model, ids, *args, **kw: decoded.append(ids.shape[0]) or sample(model, ids, *args, **kw))
+    monkeypatch.setattr(rollout, "ROWS_PER_DECODE", 8)  # groups of 4: two groups per decode
+    torch.manual_seed(0)
+    groups = rollout.sample_prompt_groups(model, tokenizer, rows, group_size=4, gen_len=5)  # fmt: skip
+    assert decoded == [8, 4]
+    for row, group in zip(rows, groups):
+        prompt = rollout.prompt_ids(tokenizer, row["prompt"])
+        assert group.row is row and group.sample_ids.shape == (4, prompt.shape[1] + 5)
+        assert torch.equal(group.sample_ids[:, : prompt.shape[1]], prompt.expand(4, -1))  # unpadded
+        # log pi_old kept from the padded decode = the group's own log pi, run alone and unpadded
+        alone = generated_logprobs(model, group.sample_ids, 5)
+        torch.testing.assert_close(group.logprobs, alone, rtol=0, atol=1e-5)
+        assert group.completions == tokenizer.batch_decode(group.sample_ids[:, -5:], skip_special_tokens=True)
+
+
 def test_chat_prompts_use_the_template_or_refuse(tiny_model_dir):
     from transformers import AutoTokenizer
 
