@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .fast_decode import _cache_argument
+from .sampling import decoding
 
 
 def chat_prompt(tokenizer, prompt: str) -> str:
@@ -43,7 +43,7 @@ def greedy_complete(
     first). A completion ends at the first of ``stop_tokens`` it produces (not included in the text) or
     after ``max_new_tokens`` tokens. ``batch_size`` prompts are decoded together, left-padded, with an
     attention mask and positions counted from each row's first real token, so padding changes nothing
-    but float rounding."""
+    but float rounding; through the lean decoder where the model allows (``sampling.decoding``)."""
     completions: list[str] = []
     for start in range(0, len(prompt_texts), batch_size):
         completions += _greedy_batch(model, tokenizer, prompt_texts[start : start + batch_size], max_new_tokens, stop_tokens)
@@ -67,19 +67,16 @@ def _greedy_batch(model, tokenizer, texts: list[str], max_new_tokens: int, stop_
 
     generated: list[torch.Tensor] = []
     running = torch.ones(len(texts), dtype=torch.bool, device=device)
-    cache_arg, cache, step_ids = _cache_argument(model), {}, ids
-    for _ in range(max_new_tokens):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
-        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1, **cache)
-        cache = {cache_arg: getattr(out, cache_arg)}
-        next_ids = out.logits[:, -1].argmax(-1)
-        next_ids = torch.where(running, next_ids, torch.full_like(next_ids, pad_id))
-        generated.append(next_ids)
-        running = running & ~torch.isin(next_ids, stops)
-        if not running.any():
-            break
-        step_ids = next_ids.unsqueeze(-1)
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+    with decoding(model, len(texts), width + max_new_tokens) as decoder:
+        logits = decoder.prompt(ids, mask)  # (B, V)
+        for step in range(max_new_tokens):
+            next_ids = logits.argmax(-1)
+            next_ids = torch.where(running, next_ids, torch.full_like(next_ids, pad_id))
+            generated.append(next_ids)
+            running = running & ~torch.isin(next_ids, stops)
+            if not running.any() or step + 1 == max_new_tokens:
+                break
+            logits = decoder.step(next_ids.unsqueeze(-1))
 
     completions = []
     columns = torch.stack(generated, dim=1).tolist() if generated else [[] for _ in texts]
