@@ -282,6 +282,16 @@ class PhaseCheckpoint(ModelCheckpoint):
             _after_writes(trainer, functools.partial(link_atomically, Path(filepath), Path(linkpath)))
         trainer.strategy.barrier()
 
+    @property
+    def every_n_phases(self) -> int:
+        """A checkpoint after every this many phases (counted from the first, so a resumed run keeps the same
+        ones), and after the last phase whatever the count."""
+        return self._every_n_epochs
+
+    @every_n_phases.setter
+    def every_n_phases(self, phases: int) -> None:
+        self._every_n_epochs = phases
+
     def on_train_epoch_end(self, trainer, pl_module) -> None:
         write_phase_logs(trainer)
         # Lightning deletes the previous phase's file before it moves the last.ckpt link: collect the
@@ -290,11 +300,15 @@ class PhaseCheckpoint(ModelCheckpoint):
         io = atomic_io(trainer)
         if io is not None:
             io.in_background = True
+        every = self._every_n_epochs
+        if trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs:
+            self._every_n_epochs = 1  # the last phase is always kept
         try:
             super().on_train_epoch_end(trainer, pl_module)
             for filepath in self._deferred_removals:
                 _after_writes(trainer, functools.partial(super()._remove_checkpoint, trainer, filepath))
         finally:
+            self._every_n_epochs = every
             self._deferred_removals = None
             if io is not None:
                 io.in_background = False

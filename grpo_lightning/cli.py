@@ -42,6 +42,12 @@ class GRPOLightningCLI(LightningCLI):
         parser.link_arguments("model.total_phases", "trainer.max_epochs")
         parser.link_arguments("model.max_grad_norm", "trainer.gradient_clip_val")
         parser.link_arguments("model.eval_every_n_phases", "trainer.check_val_every_n_epoch")
+        parser.add_argument(
+            "--checkpoint_every_n_phases", type=int, default=1,
+            help="Write a checkpoint after every this many phases, and after the last (default 1: every phase). "
+            "A stop or a kill loses the phases since the last one written; each write of a full fine-tuning "
+            "checkpoint costs seconds (perf/checkpoint_wait_s).",
+        )  # fmt: skip
 
     def parse_arguments(self, parser, args) -> None:
         self._args = args  # kept to parse them again over a checkpoint's settings (_parse_ckpt_path)
@@ -90,6 +96,9 @@ class GRPOLightningCLI(LightningCLI):
         if self.subcommand is not None:  # a run, not a parse: refuse a run directory it cannot write
             check_run_dir(trainer.default_root_dir)
         trainer.precision = settle_precision(trainer.precision, trainer.accelerator)
+        every = (self.config[self.subcommand] if self.subcommand else self.config).get("checkpoint_every_n_phases", 1)
+        if every is None or every < 1:
+            raise GRPOConfigError(f"checkpoint_every_n_phases ({every}) must be at least 1")
 
     def instantiate_trainer(self, **kwargs):
         # The model's inputs (path, tokenizer, context length, weight files) are checked before the
@@ -103,6 +112,11 @@ class GRPOLightningCLI(LightningCLI):
             if explained is None:
                 raise
             raise GRPOConfigError(explained) from error
+        if self.subcommand is not None:
+            every = self.config[self.subcommand].get("checkpoint_every_n_phases", 1)
+            for callback in trainer.callbacks:
+                if isinstance(callback, PhaseCheckpoint):
+                    callback.every_n_phases = every
         return trainer
 
 
@@ -131,8 +145,9 @@ def trainer_defaults() -> dict:
         "default_root_dir": "runs",
         "log_every_n_steps": 1,  # a phase has only a handful of steps
         "num_sanity_val_steps": 0,
-        # A checkpoint at the end of every phase (last.ckpt links to it), never mid-phase: a mid-phase
-        # checkpoint would resume with an empty replay memory. Written atomically, read weights_only.
+        # A checkpoint at the end of every phase (or of every checkpoint_every_n_phases, and the last; last.ckpt
+        # links to it), never mid-phase: a mid-phase checkpoint would resume with an empty replay memory.
+        # Written atomically, read weights_only.
         "callbacks": [
             PhaseCheckpoint(save_last="link", save_top_k=1, every_n_epochs=1, save_on_train_epoch_end=True),
             StopAtSafePoints(),

@@ -321,3 +321,44 @@ def test_a_stop_while_the_background_write_fails_names_the_checkpoint_before_it(
     assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]  # no partial file
     monkeypatch.undo()
     assert torch.load(checkpoints / "last.ckpt", weights_only=True)["global_step"] == 4
+
+
+def fit_tiny(tiny_model_dir, root: Path, phases: int, *extra: str) -> None:
+    """A run of the tiny model through the command line: 4 learning steps a phase."""
+    from grpo_lightning import cli
+
+    cli.main([
+        "fit", "--model.model_name_or_path", tiny_model_dir, "--model.total_phases", str(phases), "--model.warmup_steps",
+        "0", "--model.batch_size", "4", "--model.num_minibatches", "2", "--model.gen_len", "4", "--model.export_dir",
+        "null", "--trainer.default_root_dir", str(root), "--trainer.enable_progress_bar", "false", *extra,
+    ])  # fmt: skip
+
+
+def test_checkpoints_every_n_phases_and_after_the_last_also_when_resumed(tiny_model_dir, tmp_path, monkeypatch):
+    written = []
+    real_save = AtomicCheckpointIO.save_checkpoint
+
+    def recording_save(self, checkpoint, path, *args, **kwargs):
+        written.append(Path(path).name)
+        return real_save(self, checkpoint, path, *args, **kwargs)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", recording_save)
+    fit_tiny(tiny_model_dir, tmp_path, 5, "--checkpoint_every_n_phases", "2")
+    assert written == ["epoch=1-step=8.ckpt", "epoch=3-step=16.ckpt", "epoch=4-step=20.ckpt"]  # phases 2, 4, 5 (the last)
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["epoch=4-step=20.ckpt", "last.ckpt"]
+    assert os.readlink(checkpoints / "last.ckpt") == "epoch=4-step=20.ckpt"
+    # Resumed after phase 5, up to phase 8: phases 6 and 8, counted from the run's first phase, not from the resume.
+    written.clear()
+    fit_tiny(tiny_model_dir, tmp_path, 8, "--checkpoint_every_n_phases", "2", "--ckpt_path", "last")
+    assert written == ["epoch=5-step=24.ckpt", "epoch=7-step=32.ckpt"]
+
+
+def test_checkpoints_every_zero_phases_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
+    with pytest.raises(SystemExit) as exit_info:
+        fit_tiny(tiny_model_dir, tmp_path, 2, "--checkpoint_every_n_phases", "0")
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.strip() == "error: checkpoint_every_n_phases (0) must be at least 1"
