@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 
 import pytest
 
@@ -173,3 +175,18 @@ def test_rounds_alternate_which_side_runs_first_and_keep_each_rounds_files(monke
                                                        os.path.join("d", "compare_trl_t.json"))  # fmt: skip
     with pytest.raises(SystemExit):
         compare_trl.main(["--rounds", "0"])
+
+
+def test_group_decoding_times_both_ways_and_records_the_machine(tiny_model_dir, tmp_path, capsys):
+    from benchmarks import group_decoding
+
+    out = tmp_path / "results" / "groups.json"
+    args = ["--model", tiny_model_dir, "--groups", "3", "--group-size", "2", "--gen-len", "3", "--runs", "2"]
+    group_decoding.main([*args, "--precision", "32-true", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["groups"] == 3 and saved["group_size"] == 2 and set(saved["peaks_gflops"]) == {"fp32", "bf16"}
+    runs = saved["runs"]["32-true"]
+    assert set(runs) == {"separately", "together"} and all(len(way["seconds"]) == 2 for way in runs.values())
+    assert runs["together"]["median"] == statistics.median(runs["together"]["seconds"])
+    printed = capsys.readouterr().out
+    assert "32-true 3 groups of 2,   together:" in printed and saved["cpu"]["model"] in printed
