@@ -268,6 +268,16 @@ def _after_writes(trainer, operation: Callable[[], None]) -> None:
         io.after_writes(operation)
 
 
+def _run_ends_after_this_phase(trainer) -> bool:
+    """Whether the phase ending now is the run's last: its last phase, ``trainer.max_steps`` reached (a run cut
+    short on purpose, to be resumed), or a stop a callback asked for."""
+    if trainer.max_epochs is not None and 0 <= trainer.max_epochs <= trainer.current_epoch + 1:
+        return True
+    if trainer.max_steps is not None and 0 <= trainer.max_steps <= trainer.global_step:
+        return True
+    return bool(trainer.should_stop)
+
+
 class PhaseCheckpoint(ModelCheckpoint):
     """A checkpoint per phase, written in the background while the next rollout runs, ``last.ckpt``
     linking to the newest: safe against a kill at any moment."""
@@ -301,7 +311,7 @@ class PhaseCheckpoint(ModelCheckpoint):
         if io is not None:
             io.in_background = True
         every = self._every_n_epochs
-        if trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs:
+        if _run_ends_after_this_phase(trainer):
             self._every_n_epochs = 1  # the last phase is always kept
         try:
             super().on_train_epoch_end(trainer, pl_module)

@@ -354,6 +354,12 @@ def test_checkpoints_every_n_phases_and_after_the_last_also_when_resumed(tiny_mo
     assert written == ["epoch=5-step=24.ckpt", "epoch=7-step=32.ckpt"]
 
 
+def test_a_run_cut_short_by_max_steps_keeps_its_last_phase_whatever_the_count(tiny_model_dir, tmp_path):
+    fit_tiny(tiny_model_dir, tmp_path, 5, "--checkpoint_every_n_phases", "2", "--trainer.max_steps", "12")
+    checkpoints = tmp_path / "lightning_logs" / "version_0" / "checkpoints"
+    assert os.readlink(checkpoints / "last.ckpt") == "epoch=2-step=12.ckpt"  # phase 3 of 5, where max_steps cut it
+
+
 def test_checkpoints_every_zero_phases_is_one_line(tiny_model_dir, tmp_path, monkeypatch, capsys):
     import sys
 
