@@ -82,9 +82,10 @@ class Group:
     completions: list[str]
 
 
-# Rows decoded together, at most (a group larger than this is decoded alone). On the Zen 4 machine (2 cores,
-# bf16-mixed, 46-token prompts, 32 tokens) 4 groups of 16 took 8.7 s one after another and 4.2 s together;
-# at 128 rows the products already run near the peak, while the key/value cache grows with every row.
+# Rows decoded together, at most (a group larger than this is decoded alone). On the Zen 4 machine (2 cores),
+# 4 arithmetic groups of 16, up to 32 tokens, took 7.4 s one after another and 3.9 s together in bf16-mixed,
+# 9.7 s and 6.5 s in fp32 (medians, benchmarks/group_decoding.py); at 128 rows the products already run near
+# the peak, while the key/value cache grows with every row.
 ROWS_PER_DECODE = 128
 
 
