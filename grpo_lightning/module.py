@@ -65,6 +65,7 @@ from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .rollout_stats import importance_ratio_stats
+from .training_products import use_training_products
 from .heldout import HeldOutEvaluation, HeldOutScores, heldout_rows
 from .prompts import PromptSource, describe_source
 from .rollout import prompt_text
@@ -327,6 +328,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
             self.ref_model = reference.requires_grad_(False)
         if self.activation_checkpointing:
             enable_activation_checkpointing(self.policy)
+        use_training_products(self.policy)  # the learning step's fp32 products through oneDNN where faster
 
     def check_inputs(self) -> None:
         """Loads the tokenizer (once) and, before any weights load, refuses a tokenizer that does not fit

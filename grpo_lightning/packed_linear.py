@@ -158,7 +158,7 @@ def _linear_weight(module: torch.nn.Module, dtype: torch.dtype = torch.float32) 
     variant such as DoRA with its adapters on), and for a LoRA layer with adapters on when the products are
     bf16: rounded into a bf16 weight (8 significant bits), an adapter's small delta would be partly or wholly
     lost, where autocast's forward adds it as a product of its own."""
-    if type(module) is torch.nn.Linear:
+    if type(module) is torch.nn.Linear or getattr(type(module), "plain_linear_map", False):
         return module.weight, module.bias
     base = getattr(module, "base_layer", None)
     if not (hasattr(module, "get_delta_weight") and isinstance(base, torch.nn.Linear)):
