@@ -88,9 +88,9 @@ FLOP model and limit
 --------------------
 The matmul FLOPs per phase come from phase_time.py's model (``phase_flops``: generate + ref-lp + learn, plus
 old-lp because TRL recomputes it, as phase_time.py counts it under --recompute-old-logprobs). "limit s" = FLOPs /
-peak (``flop_limit_s``), with the peak the GFLOP/s of a 2048^3 fp32 torch.matmul measured in the same subprocess
-(``matmul_gflops``): the time the phase would take if every matmul ran at the square-GEMM rate. "x limit" = total s
-/ limit s. TRL's limit includes its extra old-lp forward (work it chose to do), so it is about one group forward
+peak (``flop_limit_s``), with the peak the GFLOP/s of a 2048^3 fp32 product measured in the same subprocess, the
+better of torch.matmul and oneDNN (``fp32_peak_gflops``, as phase_time.py measures it): the time the phase would
+take if every matmul ran at the square-GEMM rate. "x limit" = total s / limit s. TRL's limit includes its extra old-lp forward (work it chose to do), so it is about one group forward
 above ours by default: compare the two implementations by "total s", and each one's efficiency by "x limit".
 "cpu %" is as in phase_time.py.
 """
@@ -134,7 +134,7 @@ from benchmarks.phase_time import (
 )
 from grpo_lightning import GRPO_Args
 from grpo_lightning.lora import LoraSettings, default_target_modules
-from grpo_lightning.machine import matmul_gflops
+from grpo_lightning.machine import fp32_peak_gflops
 from grpo_lightning.models import resolve_model_path
 from grpo_lightning.precision import cpu_info
 from grpo_lightning.sampling import default_start_token, encode_prompt
@@ -321,7 +321,7 @@ def measure(workload: str, phases: int, model: str | None, lora: bool, override:
 
     loadavg_start = os.getloadavg()[0]
     # First thing in the fresh process, as phase_time.py does: measured after training it can come out far lower.
-    peak = matmul_gflops(PEAK_GEMM_SIZE, PEAK_GEMM_SIZE, PEAK_GEMM_SIZE, torch.float32)
+    peak = fp32_peak_gflops(PEAK_GEMM_SIZE)["fp32"]
     # TRL calls model.is_gradient_checkpointing, deprecated in transformers 5: one harmless warning per model
     warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
     transformers.utils.logging.disable_progress_bar()
@@ -444,7 +444,7 @@ def report(results: list[dict], phases: int, warning: str | None) -> str:
         format_table(headers, rows),
         "",
         "limit s = phase matmul FLOPs / fp32 peak (GFLOP/s of a "
-        f"{PEAK_GEMM_SIZE}^3 torch.matmul, measured in each run): "
+        f"{PEAK_GEMM_SIZE}^3 product, the better of torch.matmul and oneDNN, measured in each run): "
         + "; ".join(
             f"{r['workload']}/{r['finetune']}: {sum(r['gflop_per_phase'].values()):.0f} GFLOP ("
             + ", ".join(f"{p.replace('_', '-')} {r['gflop_per_phase'][p]:.0f}" for p in PARTS)

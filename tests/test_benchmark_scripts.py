@@ -184,7 +184,7 @@ def test_group_decoding_times_both_ways_and_records_the_machine(tiny_model_dir, 
     args = ["--model", tiny_model_dir, "--groups", "3", "--group-size", "2", "--gen-len", "3", "--runs", "2"]
     group_decoding.main([*args, "--precision", "32-true", "--out", str(out)])
     saved = json.loads(out.read_text())
-    assert saved["groups"] == 3 and saved["group_size"] == 2 and set(saved["peaks_gflops"]) == {"fp32", "bf16"}
+    assert saved["groups"] == 3 and saved["group_size"] == 2 and set(saved["peaks_gflops"]) >= {"fp32", "fp32_torch_matmul", "bf16"}
     runs = saved["runs"]["32-true"]
     assert set(runs) == {"separately", "together"} and all(len(way["seconds"]) == 2 for way in runs.values())
     assert runs["together"]["median"] == statistics.median(runs["together"]["seconds"])

@@ -92,3 +92,24 @@ def test_freed_memory_is_reused_without_page_faults():
     with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
         huge_pages_always = "[always]" in f.read()  # then 2 MB pages: about 5 x 100 faults, not 5 x 51,200
     assert faults > (250 if huge_pages_always else 5 * 40_000)
+
+
+def test_the_fp32_peak_is_the_better_library(monkeypatch):
+    """MKL (torch.matmul) can reach half of what oneDNN does on the same CPU (AMD with AVX-512): the peak is
+    the better of the two, and both are kept; without oneDNN it is torch.matmul's."""
+    from grpo_lightning import machine
+
+    monkeypatch.setattr(machine, "matmul_gflops", lambda m, k, n, dtype, repeats=5: 192.0)
+    monkeypatch.setattr(machine, "onednn_fp32_gflops", lambda m, k, n, repeats=5: 418.0)
+    assert machine.fp32_peak_gflops(64) == {"fp32": 418.0, "fp32_torch_matmul": 192.0, "fp32_onednn": 418.0}
+    monkeypatch.setattr(machine, "onednn_fp32_gflops", lambda m, k, n, repeats=5: None)
+    assert machine.fp32_peak_gflops(64) == {"fp32": 192.0, "fp32_torch_matmul": 192.0}
+
+
+def test_onednn_rate_is_measured_on_a_real_product():
+    from grpo_lightning.machine import onednn_fp32_gflops
+
+    rate = onednn_fp32_gflops(64, 64, 64, repeats=2)
+    if rate is None:
+        pytest.skip("this PyTorch has no oneDNN")
+    assert 0 < rate < 1e5
