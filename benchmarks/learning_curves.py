@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-from grpo_lightning.machine import fp32_peak_gflops
+from grpo_lightning.machine import fp32_peak_gflops, kernel_settings
 from grpo_lightning.precision import cpu_info, precision_warning
 
 PRECISIONS = ("32-true", "bf16-mixed")
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     if not cpu.native_bf16 and "bf16-mixed" in opts.precisions:
         print(f"warning: {precision_warning('bf16-mixed', 'cpu')}", file=sys.stderr, flush=True)
     machine = {"cpu": {"model": cpu.model, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
-               "matmul_peak_gflops_per_s": fp32_peak_gflops(2048)}  # fmt: skip
+               "matmul_peak_gflops_per_s": fp32_peak_gflops(2048), "kernel_settings": kernel_settings()}  # fmt: skip
     print(f"CPU: {cpu.describe()}; fp32 matmul peak {machine['matmul_peak_gflops_per_s']['fp32']:.0f} GFLOP/s",
           file=sys.stderr, flush=True)  # fmt: skip
     runs = []

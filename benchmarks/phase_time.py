@@ -103,7 +103,13 @@ import torch
 import transformers
 
 from grpo_lightning import GRPO_Args, GRPOModule
-from grpo_lightning.machine import competing_processes, fp32_peak_gflops, keep_freed_memory_for_reuse, matmul_gflops
+from grpo_lightning.machine import (
+    competing_processes,
+    fp32_peak_gflops,
+    keep_freed_memory_for_reuse,
+    kernel_settings,
+    matmul_gflops,
+)
 from grpo_lightning.packed_linear import cpu_fp32_product_setting, decode_matmul_backend
 from grpo_lightning.precision import cpu_info, precision_warning
 from grpo_lightning.sampling import encode_prompt
@@ -237,6 +243,7 @@ def run_meta() -> dict:
         "processor": platform.processor() or platform.machine(),
         "cpu": {"model": cpu.model, "vendor": cpu.vendor, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
         "cpu_count": psutil.cpu_count(),
+        "kernel_settings": kernel_settings(),
     }
 
 

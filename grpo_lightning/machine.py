@@ -85,6 +85,18 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) 
     return 2 * m * k * n / best / 1e9
 
 
+# Environment variables that change which kernels the products run, recorded with every benchmark.
+KERNEL_SETTINGS_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                       "GRPO_LIGHTNING_DECODE_MATMUL", "GRPO_LIGHTNING_TRAIN_MATMUL")  # fmt: skip
+
+
+def kernel_settings() -> dict[str, str]:
+    """The instruction set PyTorch dispatches its CPU kernels at here (``"cpu_capability"``), and those of
+    ``KERNEL_SETTINGS_ENV`` that are set: a run held to AVX2 on an AVX-512 CPU says so in its JSON."""
+    settings = {"cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    return settings | {name: os.environ[name] for name in KERNEL_SETTINGS_ENV if name in os.environ}
+
+
 def onednn_fp32_gflops(m: int, k: int, n: int, repeats: int = 5) -> float | None:
     """Best-of-``repeats`` GFLOP/s of the same (m, k) @ (k, n) fp32 product through oneDNN's inner product
     (the library of this package's decode and reference products, and of its learning products on some

@@ -113,3 +113,15 @@ def test_onednn_rate_is_measured_on_a_real_product():
     if rate is None:
         pytest.skip("this PyTorch has no oneDNN")
     assert 0 < rate < 1e5
+
+
+def test_kernel_settings_name_the_dispatch_level_and_the_limits_set(monkeypatch):
+    import torch
+
+    from grpo_lightning.machine import KERNEL_SETTINGS_ENV, kernel_settings
+
+    for name in KERNEL_SETTINGS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # not a kernel setting: not recorded
+    assert kernel_settings() == {"cpu_capability": torch.backends.cpu.get_cpu_capability(), "ONEDNN_MAX_CPU_ISA": "AVX2"}
