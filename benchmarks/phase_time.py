@@ -39,7 +39,8 @@ mean of the --phases measured phases, and the JSON (--out) keeps every phase. Li
 subprocess keeps the memory it frees for reuse (``grpo_lightning.machine.keep_freed_memory_for_reuse``;
 GRPO_LIGHTNING_KEEP_FREED_MEMORY=0 measures glibc's default instead), and fp32 decode products go through the
 library chosen for this CPU (``grpo_lightning.packed_linear``; GRPO_LIGHTNING_DECODE_MATMUL=mkl|onednn|aten
-chooses one).
+chooses one), and so do the learning step's fp32 products (``grpo_lightning.training_products``;
+GRPO_LIGHTNING_TRAIN_MATMUL=onednn|aten).
 
 FLOP model (matmuls only: elementwise ops, softmax, norms and the optimizer are not counted)
 ---------------------------------------------------------------------------------------------
@@ -111,6 +112,7 @@ from grpo_lightning.machine import (
     matmul_gflops,
 )
 from grpo_lightning.packed_linear import cpu_fp32_product_setting, decode_matmul_backend
+from grpo_lightning.training_products import training_matmul_backend
 from grpo_lightning.precision import cpu_info, precision_warning
 from grpo_lightning.sampling import encode_prompt
 
@@ -379,6 +381,7 @@ def measure(workload: str, precision: str, phases: int, model: str | None, finet
         "checkpoint_mib": checkpoint_size,
         "cpu_util": cpu_util,
         "decode_matmul": decode_products(precision),
+        "learning_matmul": training_matmul_backend() if precision == "32-true" else "autocast (oneDNN bf16)",
         "keeps_freed_memory": keeps_freed_memory,
     }
 
@@ -458,7 +461,8 @@ def machine_line(results: list[dict]) -> str:
     kind = "native bf16" if cpu.native_bf16 else "no native bf16"
     return (
         f"CPU: {cpu.describe()}, {kind}; matmul peak GFLOP/s: fp32 {peaks['fp32']:.0f}, {bf16}; "
-        f"decode products: fp32 {decode_products('32-true')}, bf16 {decode_products('bf16-mixed')}"
+        f"decode products: fp32 {decode_products('32-true')}, bf16 {decode_products('bf16-mixed')}; "
+        f"fp32 learning products: {training_matmul_backend()}"
     )
 
 
