@@ -166,3 +166,20 @@ def test_a_training_linear_is_prepared_and_copied_as_a_linear():
         twin.bias.fill_(2.0)
     assert type(twin) is TrainingLinear
     assert torch.equal(twin(torch.randn(3, 48, requires_grad=True)), torch.full((3, 40), 2.0))
+
+
+@needs_onednn
+def test_strided_input_and_an_expanded_gradient():
+    """A transposed view as input, and out.sum()'s gradient (ones expanded with zero strides): as F.linear."""
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(3, 48, 5, generator=gen)
+    weight, bias = torch.randn(40, 48, generator=gen), torch.randn(40, generator=gen)
+    results = []
+    for fn in (OneDNNLinearFunction.apply, F.linear):
+        x = base.clone().transpose(1, 2).requires_grad_(True)  # (3, 5, 48), not contiguous
+        w, b = weight.clone().requires_grad_(True), bias.clone().requires_grad_(True)
+        out = fn(x, w, b)
+        out.sum().backward()
+        results.append((out.detach(), x.grad, w.grad, b.grad))
+    for ours, theirs in zip(*results):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
