@@ -71,9 +71,10 @@ How to read the output
 the same subprocess: a 2048x2048x2048 product in the dtype that the precision computes in (fp32 for
 32-true, bf16 for bf16-mixed), best of several runs. The fp32 peak is the better of ``torch.matmul`` (MKL) and
 oneDNN's product, both kept in the JSON: on AMD CPUs with AVX-512 MKL takes its AVX2 path and reaches half
-of what the CPU does (``grpo_lightning.machine.fp32_peak_gflops``). Both dtypes' peaks are reported, and each
-precision is compared with its own dtype's peak. The JSON also gives the throughput of a GEMM shaped like the model's MLP up-projection
-for one minibatch (tokens x d_model x intermediate). Matmuls this small cannot reach the square GEMM's rate.
+of what the CPU does (``grpo_lightning.machine.fp32_peak_gflops``). Both dtypes' peaks are reported, and
+each precision is compared with its own dtype's peak. The JSON also gives the throughput of a GEMM shaped like
+the model's MLP up-projection for one minibatch (tokens x d_model x intermediate). Matmuls this small cannot
+reach the square GEMM's rate.
 "cpu %" is this process's CPU time divided by (wall time x torch threads) over the measured phases. Well under
 100 % means the threads were waiting, often for cores that other processes held. On a 2-core machine one busy
 core can slow PyTorch about tenfold, so the script warns when the machine is not idle at the start. On a busy

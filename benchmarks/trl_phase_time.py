@@ -90,8 +90,9 @@ The matmul FLOPs per phase come from phase_time.py's model (``phase_flops``: gen
 old-lp because TRL recomputes it, as phase_time.py counts it under --recompute-old-logprobs). "limit s" = FLOPs /
 peak (``flop_limit_s``), with the peak the GFLOP/s of a 2048^3 fp32 product measured in the same subprocess, the
 better of torch.matmul and oneDNN (``fp32_peak_gflops``, as phase_time.py measures it): the time the phase would
-take if every matmul ran at the square-GEMM rate. "x limit" = total s / limit s. TRL's limit includes its extra old-lp forward (work it chose to do), so it is about one group forward
-above ours by default: compare the two implementations by "total s", and each one's efficiency by "x limit".
+take if every matmul ran at the square-GEMM rate. "x limit" = total s / limit s. TRL's limit includes its extra
+old-lp forward (work it chose to do), so it is about one group forward above ours by default: compare the two
+implementations by "total s", and each one's efficiency by "x limit".
 "cpu %" is as in phase_time.py.
 """
 

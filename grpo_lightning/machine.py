@@ -72,17 +72,22 @@ def cpu_contention_warning(busy: list[str], threads: int | None = None, cores: i
     )
 
 
+def _best_gflops(product, flops: float, repeats: int) -> float:
+    """Best-of-``repeats`` GFLOP/s of ``product()``, after one call that picks and primes the kernel."""
+    product()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        product()
+        best = min(best, time.perf_counter() - start)
+    return flops / best / 1e9
+
+
 def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) -> float:
     """Best-of-``repeats`` GFLOP/s of an (m, k) @ (k, n) torch.matmul into a preallocated output."""
     a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
     out = torch.empty(m, n, dtype=dtype)
-    torch.matmul(a, b, out=out)  # the first call picks and primes the kernel
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2 * m * k * n / best / 1e9
+    return _best_gflops(lambda: torch.matmul(a, b, out=out), 2 * m * k * n, repeats)
 
 
 # Environment variables that change which kernels the products run, recorded with every benchmark.
@@ -104,17 +109,8 @@ def onednn_fp32_gflops(m: int, k: int, n: int, repeats: int = 5) -> float | None
     if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
         return None
     a, weight = torch.randn(m, k), torch.randn(n, k)  # x @ weight^T
-
-    def product() -> None:
-        torch.ops.mkldnn._linear_pointwise(a, weight, None, "none", [], "")
-
-    product()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        product()
-        best = min(best, time.perf_counter() - start)
-    return 2 * m * k * n / best / 1e9
+    product = torch.ops.mkldnn._linear_pointwise
+    return _best_gflops(lambda: product(a, weight, None, "none", [], ""), 2 * m * k * n, repeats)
 
 
 def fp32_peak_gflops(size: int, repeats: int = 5) -> dict[str, float]:

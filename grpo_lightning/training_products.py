@@ -111,9 +111,9 @@ class TrainingLinear(torch.nn.Linear):
 
 def use_training_products(model: torch.nn.Module, min_weight: int = MIN_PACKED_WEIGHT) -> int:
     """Makes ``model``'s linear layers of at least ``min_weight`` weights ``TrainingLinear``s where
-    ``training_matmul_backend()`` is "onednn" (smaller ones cost little either way); returns how many. The weights, their names and the state
-    dict stay as they are (only the layers' class changes); LoRA adapters and base layers are layers like
-    any other."""
+    ``training_matmul_backend()`` is "onednn" (smaller ones cost little either way); returns how many. The
+    weights, their names and the state dict stay as they are (only the layers' class changes); LoRA
+    adapters and base layers are layers like any other."""
     if training_matmul_backend() != "onednn":
         return 0
     changed = 0
