@@ -60,12 +60,12 @@ from .objectives import (
     get_logprobs_batched,
 )
 from .optim import get_optimizer_and_scheduler
-from .packed_linear import prepared_linear_layers
+from .packed_linear import decode_matmul_backend, prepared_linear_layers
 from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen_keys
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .rollout_stats import importance_ratio_stats
-from .training_products import use_training_products
+from .training_products import training_matmul_backend, use_training_products
 from .heldout import HeldOutEvaluation, HeldOutScores, heldout_rows
 from .prompts import PromptSource, describe_source
 from .rollout import prompt_text
@@ -334,6 +334,7 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         """Loads the tokenizer (once) and, before any weights load, refuses a tokenizer that does not fit
         the model, a prompt + gen_len beyond its context, or truncated weight files. The command line
         calls it before the trainer is built, so that a refusal is all a run prints."""
+        decode_matmul_backend(), training_matmul_backend()  # a misspelt library override: one line, now
         path = resolve_model_path(self.args.base_model)
         config = load_model_config(path, self.trust_remote_code)  # first: the smallest file, read alone
         if self.tokenizer is None:

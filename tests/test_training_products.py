@@ -183,3 +183,16 @@ def test_strided_input_and_an_expanded_gradient():
         results.append((out.detach(), x.grad, w.grad, b.grad))
     for ours, theirs in zip(*results):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("env", ["GRPO_LIGHTNING_TRAIN_MATMUL", "GRPO_LIGHTNING_DECODE_MATMUL"])
+def test_a_misspelt_library_is_one_line_before_any_weights_load(tiny_model_dir, monkeypatch, env):
+    from conftest import refuse_model_loading
+
+    from grpo_lightning import module as module_file
+    from grpo_lightning.module import GRPOModule
+
+    refuse_model_loading(monkeypatch, module_file)
+    monkeypatch.setenv(env, "mkl2")
+    with pytest.raises(GRPOError, match=rf"^{env}='mkl2' is not one of "):
+        GRPOModule(model_name_or_path=tiny_model_dir, batch_size=4, num_minibatches=2).check_inputs()
