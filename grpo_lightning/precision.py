@@ -9,6 +9,7 @@ run picks one here and says why, and a bf16 request on a CPU that cannot run it 
 
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 
@@ -17,6 +18,13 @@ import torch
 # cpuinfo flag -> what users know it as. The first two make bf16 native; the last two are what fp32 uses.
 CPU_FEATURES = {"avx512_bf16": "AVX512-BF16", "amx_bf16": "AMX-BF16", "avx2": "AVX2", "fma": "FMA"}
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+# oneDNN runs PyTorch's bf16 matrix products on x86, and can be held to an older instruction set than the CPU
+# has (to reproduce another CPU's speed, say). Held below AVX512_CORE_BF16 it emulates bf16 whatever the CPU
+# has: 0.29 GFLOP/s against 222 in fp32 on an AMD Zen 5 held to AVX2, as on a Zen 3. oneDNN's names, in its
+# order; an unknown value (ALL, DEFAULT) holds nothing back.
+ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+ONEDNN_ISAS_WITHOUT_BF16 = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI")
+ONEDNN_ISAS_WITHOUT_AMX = (*ONEDNN_ISAS_WITHOUT_BF16, "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX10_1_512")
 
 
 @dataclass(frozen=True)
@@ -24,13 +32,15 @@ class CpuInfo:
     model: str
     features: tuple[str, ...]  # names from CPU_FEATURES that this CPU has
     vendor: str = ""  # "GenuineIntel", "AuthenticAMD", ... ("" where /proc/cpuinfo does not say)
+    held: str = ""  # features the CPU has that a setting keeps its kernels from using, and the setting
 
     @property
     def native_bf16(self) -> bool:
         return any(CPU_FEATURES[flag] in self.features for flag in NATIVE_BF16_FLAGS)
 
     def describe(self) -> str:
-        return f"{self.model} ({', '.join(self.features) or 'none of ' + '/'.join(CPU_FEATURES.values())})"
+        features = ", ".join(self.features) or "none of " + "/".join(CPU_FEATURES.values())
+        return f"{self.model} ({features}{'; ' + self.held if self.held else ''})"
 
 
 def _first_values(text: str) -> dict[str, str]:
@@ -73,9 +83,26 @@ def cpu_info() -> CpuInfo:
         flags.add("avx512_bf16")
     if getattr(torch_cpu, "_is_amx_tile_supported", lambda: False)():
         flags.add("amx_bf16")
+    flags, held = without_held_bf16(flags)
     features = tuple(name for flag, name in CPU_FEATURES.items() if flag in flags)
     name = model or platform.processor() or platform.machine() or "unknown CPU"
-    return CpuInfo(model=name, features=features, vendor=parse_cpu_vendor(text))
+    return CpuInfo(model=name, features=features, vendor=parse_cpu_vendor(text), held=held)
+
+
+def without_held_bf16(flags: set[str]) -> tuple[set[str], str]:
+    """``flags`` less the bf16 ones that ``$ONEDNN_MAX_CPU_ISA`` keeps oneDNN from using, and a note naming
+    them and the setting ("" where nothing is held back)."""
+    for name in ONEDNN_ISA_ENV:
+        isa = os.environ.get(name, "").strip().upper()
+        if isa:
+            break
+    unused = {"avx512_bf16", "amx_bf16"} if isa in ONEDNN_ISAS_WITHOUT_BF16 else set()
+    unused |= {"amx_bf16"} if isa in ONEDNN_ISAS_WITHOUT_AMX else set()
+    unused &= flags
+    if not unused:
+        return flags, ""
+    names = ", ".join(CPU_FEATURES[flag] for flag in CPU_FEATURES if flag in unused)
+    return flags - unused, f"{names} not used: {name}={os.environ[name].strip()}"
 
 
 def cpu_has_native_bf16() -> bool:

@@ -50,6 +50,45 @@ def test_native_bf16_means_avx512_bf16_or_amx(cpu, native):
     assert cpu.native_bf16 is native
 
 
+def cpuinfo_text(model: str, flags: str) -> str:
+    return f"processor\t: 0\nvendor_id\t: AuthenticAMD\nmodel name\t: {model}\nflags\t\t: fpu sse2 {flags}\n"
+
+
+ZEN5_TEXT = cpuinfo_text("AMD EPYC 9B45", "avx2 fma avx512f avx512_bf16")
+SPR_TEXT = cpuinfo_text("Intel(R) Xeon(R) Platinum 8481C", "avx2 fma avx512f avx512_bf16 amx_bf16 amx_tile")
+ZEN3_TEXT = cpuinfo_text("AMD EPYC 7B13 64-Core Processor", "avx2 fma")
+
+
+@pytest.mark.parametrize(
+    "variable, setting, text, features, held",
+    [
+        (None, None, ZEN5_TEXT, ("AVX512-BF16", "AVX2", "FMA"), ""),
+        ("ONEDNN_MAX_CPU_ISA", "AVX2", ZEN5_TEXT, ("AVX2", "FMA"), "AVX512-BF16 not used: ONEDNN_MAX_CPU_ISA=AVX2"),
+        ("DNNL_MAX_CPU_ISA", "avx512_core", SPR_TEXT, ("AVX2", "FMA"),
+         "AVX512-BF16, AMX-BF16 not used: DNNL_MAX_CPU_ISA=avx512_core"),
+        ("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16", SPR_TEXT, ("AVX512-BF16", "AVX2", "FMA"),
+         "AMX-BF16 not used: ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16"),
+        ("ONEDNN_MAX_CPU_ISA", "ALL", SPR_TEXT, ("AVX512-BF16", "AMX-BF16", "AVX2", "FMA"), ""),
+        ("ONEDNN_MAX_CPU_ISA", "AVX2", ZEN3_TEXT, ("AVX2", "FMA"), ""),  # nothing there to hold back
+    ],
+)  # fmt: skip
+def test_bf16_held_back_by_onednn_isa_is_not_native(monkeypatch, on_cpu, variable, setting, text, features, held):
+    """oneDNN held below AVX512_CORE_BF16 emulates bf16 on any CPU (0.29 GFLOP/s measured on a Zen 5 held to
+    AVX2): such a machine is one without native bf16, and the run's first line says why."""
+    monkeypatch.setattr(precision, "_read_cpuinfo", lambda: text)
+    for check in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):  # this machine's own hardware checks
+        monkeypatch.setattr(precision.torch.cpu, check, lambda: False, raising=False)
+    for name in precision.ONEDNN_ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
+    if variable:
+        monkeypatch.setenv(variable, setting)
+    cpu = precision.cpu_info()
+    assert (cpu.features, cpu.held) == (features, held)
+    chosen, reason = precision.choose_precision("cpu")
+    assert chosen == ("bf16-mixed" if "AVX512-BF16" in features else "32-true")
+    assert held in reason
+
+
 @pytest.mark.parametrize(
     "cpu, expected",
     [(ZEN3, "32-true"), (SAPPHIRE_RAPIDS, "bf16-mixed"), (ZEN4, "bf16-mixed")],
