@@ -130,7 +130,9 @@ def report_round(ours_json: str, trl_json: str, title: str) -> list[list[str]]:
         ours, trl = json.load(f), json.load(g)
     print()
     peaks = [r["matmul_peak_gflops_per_s"]["fp32"] for r in (*ours["results"], *trl["results"])]
-    print(f"{title}CPU: {ours['meta']['cpu']['model']} ({', '.join(ours['meta']['cpu']['features'])}); fp32 matmul "
+    cpu = ours["meta"]["cpu"]
+    held = f"; {cpu['held']}" if cpu.get("held") else ""  # e.g. "AVX512-BF16 not used: ONEDNN_MAX_CPU_ISA=AVX2"
+    print(f"{title}CPU: {cpu['model']} ({', '.join(cpu['features'])}{held}); fp32 matmul "
           f"peak {max(peaks):.0f} GFLOP/s (best of the runs' measurements: {', '.join(f'{p:.0f}' for p in peaks)}); "
           "seconds per phase; limit s: the phase's matmul FLOPs at that peak")  # fmt: skip
     rows = comparison_rows(ours["results"], trl["results"])

@@ -80,6 +80,24 @@ def test_comparison_rows_pair_workloads_and_use_the_best_peak_for_both_limits():
     assert comparison_rows(ours, trl) == [["small", "full", "32-true", "10.0", "5.0", "2.00", "25.0", "7.0", "3.57", "2.50"]]
 
 
+@pytest.mark.parametrize("held", ["", "AVX512-BF16 not used: ONEDNN_MAX_CPU_ISA=AVX2"])
+def test_a_round_names_the_cpu_and_any_instruction_set_held_back(tmp_path, capsys, held):
+    from benchmarks.compare_trl import report_round
+
+    cpu = {"model": "AMD EPYC", "features": ["AVX2", "FMA"], "native_bf16": False, "held": held}
+    result = {"workload": "small", "finetune": "full", "precision": "32-true", "mean_s": {"total": 10.0},
+              "gflop_per_phase": {"learn": 1000.0}, "matmul_peak_gflops_per_s": {"fp32": 200.0}}
+    paths = []
+    for side in ("ours", "trl"):
+        paths.append(tmp_path / f"{side}.json")
+        paths[-1].write_text(json.dumps({"meta": {"cpu": cpu}, "results": [result]}))
+    rows = report_round(str(paths[0]), str(paths[1]), "round 1: ")
+    assert rows == [["small", "full", "32-true", "10.0", "5.0", "2.00", "10.0", "5.0", "2.00", "1.00"]]
+    expected = "round 1: CPU: AMD EPYC (AVX2, FMA; AVX512-BF16 not used: ONEDNN_MAX_CPU_ISA=AVX2)" if held else \
+        "round 1: CPU: AMD EPYC (AVX2, FMA); fp32 matmul peak 200 GFLOP/s"
+    assert expected in capsys.readouterr().out
+
+
 def test_arithmetic_baseline_runs_end_to_end(tiny_model_dir, tmp_path, capsys):
     import json
 
