@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
     cpu = cpu_info()
     if not cpu.native_bf16 and "bf16-mixed" in opts.precisions:
         print(f"warning: {precision_warning('bf16-mixed', 'cpu')}", file=sys.stderr, flush=True)
-    machine = {"cpu": {"model": cpu.model, "features": list(cpu.features), "native_bf16": cpu.native_bf16},
+    machine = {"cpu": cpu.record(),
                "matmul_peak_gflops_per_s": fp32_peak_gflops(2048), "kernel_settings": kernel_settings()}  # fmt: skip
     print(f"CPU: {cpu.describe()}; fp32 matmul peak {machine['matmul_peak_gflops_per_s']['fp32']:.0f} GFLOP/s",
           file=sys.stderr, flush=True)  # fmt: skip

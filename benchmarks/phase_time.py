@@ -244,8 +244,7 @@ def run_meta() -> dict:
         "transformers": transformers.__version__,
         "python": platform.python_version(),
         "processor": platform.processor() or platform.machine(),
-        "cpu": {"model": cpu.model, "vendor": cpu.vendor, "features": list(cpu.features), "native_bf16": cpu.native_bf16,
-                "held": cpu.held},  # features a setting keeps the kernels from using (ONEDNN_MAX_CPU_ISA), if any
+        "cpu": cpu.record(),
         "cpu_count": psutil.cpu_count(),
         "kernel_settings": kernel_settings(),
     }

@@ -17,6 +17,8 @@ import time
 import psutil
 import torch
 
+from .precision import ONEDNN_ISA_ENV
+
 BUSY_PERCENT = 25.0  # % of one core another process may use before it counts as competing
 
 
@@ -91,7 +93,7 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) 
 
 
 # Environment variables that change which kernels the products run, recorded with every benchmark.
-KERNEL_SETTINGS_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+KERNEL_SETTINGS_ENV = ("ATEN_CPU_CAPABILITY", *ONEDNN_ISA_ENV, "MKL_ENABLE_INSTRUCTIONS",
                        "GRPO_LIGHTNING_DECODE_MATMUL", "GRPO_LIGHTNING_TRAIN_MATMUL")  # fmt: skip
 
 

@@ -42,6 +42,11 @@ class CpuInfo:
         features = ", ".join(self.features) or "none of " + "/".join(CPU_FEATURES.values())
         return f"{self.model} ({features}{'; ' + self.held if self.held else ''})"
 
+    def record(self) -> dict:
+        """What a benchmark's JSON keeps of the CPU."""
+        return {"model": self.model, "vendor": self.vendor, "features": list(self.features),
+                "native_bf16": self.native_bf16, "held": self.held}  # fmt: skip
+
 
 def _first_values(text: str) -> dict[str, str]:
     """Each key of the text of /proc/cpuinfo with its first value (the first processor's, for per-CPU keys)."""
@@ -92,17 +97,21 @@ def cpu_info() -> CpuInfo:
 def without_held_bf16(flags: set[str]) -> tuple[set[str], str]:
     """``flags`` less the bf16 ones that ``$ONEDNN_MAX_CPU_ISA`` keeps oneDNN from using, and a note naming
     them and the setting ("" where nothing is held back)."""
-    for name in ONEDNN_ISA_ENV:
-        isa = os.environ.get(name, "").strip().upper()
-        if isa:
-            break
-    unused = {"avx512_bf16", "amx_bf16"} if isa in ONEDNN_ISAS_WITHOUT_BF16 else set()
-    unused |= {"amx_bf16"} if isa in ONEDNN_ISAS_WITHOUT_AMX else set()
-    unused &= flags
+    settings = [(name, os.environ[name].strip()) for name in ONEDNN_ISA_ENV if os.environ.get(name, "").strip()]
+    if not settings:
+        return flags, ""
+    variable, value = settings[0]  # oneDNN reads ONEDNN_ first, then the older DNNL_ name
+    isa = value.upper()
+    if isa in ONEDNN_ISAS_WITHOUT_BF16:
+        unused = flags & {"avx512_bf16", "amx_bf16"}
+    elif isa in ONEDNN_ISAS_WITHOUT_AMX:
+        unused = flags & {"amx_bf16"}
+    else:
+        unused = set()
     if not unused:
         return flags, ""
     names = ", ".join(CPU_FEATURES[flag] for flag in CPU_FEATURES if flag in unused)
-    return flags - unused, f"{names} not used: {name}={os.environ[name].strip()}"
+    return flags - unused, f"{names} not used: {variable}={value}"
 
 
 def cpu_has_native_bf16() -> bool:

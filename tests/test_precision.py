@@ -87,6 +87,8 @@ def test_bf16_held_back_by_onednn_isa_is_not_native(monkeypatch, on_cpu, variabl
     chosen, reason = precision.choose_precision("cpu")
     assert chosen == ("bf16-mixed" if "AVX512-BF16" in features else "32-true")
     assert held in reason
+    assert cpu.record() == {"model": cpu.model, "vendor": "AuthenticAMD", "features": list(features),
+                            "native_bf16": chosen == "bf16-mixed", "held": held}  # what benchmark JSON keeps
 
 
 @pytest.mark.parametrize(
