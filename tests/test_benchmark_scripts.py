@@ -8,6 +8,7 @@ import os
 import statistics
 
 import pytest
+import torch
 
 from benchmarks.learning_curves import summarise
 from benchmarks.phase_time import ModelDims, flop_limit_s, forward_flops, phase_flops
@@ -208,3 +209,47 @@ def test_group_decoding_times_both_ways_and_records_the_machine(tiny_model_dir, 
     assert runs["together"]["median"] == statistics.median(runs["together"]["seconds"])
     printed = capsys.readouterr().out
     assert "32-true 3 groups of 2,   together:" in printed and saved["cpu"]["model"] in printed
+
+
+def test_decode_products_flops_by_hand():
+    from benchmarks.decode_products import generation_flops, product_flops
+
+    # As phase_flops's generation above: the prompt once on one row, then 2 steps of 4 rows
+    assert generation_flops(DIMS, group=4, prompt_len=2, gen_len=3) == 5192 + 12768 + 13024
+    # Without attention: 2*1000*1*2 + 2*10*50*1 = 5000 for the prompt, 2*1000*4 + 2*10*50*4 = 12000 a step
+    assert product_flops(DIMS, group=4, prompt_len=2, gen_len=3) == 5000 + 2 * 12000
+
+
+def test_decode_products_replays_the_products_of_a_whole_decode(tiny_model_dir, monkeypatch):
+    """The products-only run calls the very products a sampling run calls, with inputs of the same shapes, in
+    the same order: the prompt's forward on one row, then every step's layers and unembedding."""
+    import grpo_lightning.packed_linear as packed_linear
+    from benchmarks.decode_products import run_products, run_whole
+    from grpo_lightning import load_causal_lm, load_tokenizer
+    from grpo_lightning.sampling import encode_prompt
+
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)  # prepare the tiny model's products too
+    monkeypatch.setenv("GRPO_LIGHTNING_DECODE_MATMUL", "onednn")
+    calls: list[tuple] = []
+    prepare = packed_linear._product
+
+    def recording(weight, bias, rows, backend, dtype=torch.float32):
+        product = prepare(weight, bias, rows, backend, dtype)
+
+        def record(x):
+            calls.append((tuple(weight.shape), tuple(x.shape)))
+            return product(x)
+
+        return record
+
+    monkeypatch.setattr(packed_linear, "_product", recording)
+    model = load_causal_lm(tiny_model_dir).eval()
+    prompt_ids = encode_prompt(load_tokenizer(tiny_model_dir), "This is")
+    group, gen_len = 3, 4
+    run_whole(model, prompt_ids.expand(group, -1).contiguous(), gen_len, seed=0)
+    whole, calls[:] = list(calls), []
+    run_products(model, group, prompt_ids.shape[1], gen_len)
+    # 2 layers x 4 products + the head, for the prompt and for each of the gen_len - 1 steps
+    assert len(whole) == gen_len * (2 * 4 + 1)
+    assert whole[0][1] == (1, prompt_ids.shape[1], 32) and whole[-1][1] == (group, 1, 32)
+    assert calls == whole
