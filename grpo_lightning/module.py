@@ -1,7 +1,8 @@
 """GRPOModule: GRPO as a LightningModule. One phase = one epoch.
 
 Read top to bottom, in the order a phase runs:
-  configure_model        load the policy (and, with kl_coef > 0, a frozen reference copy)
+  configure_model        load the policy (and, with kl_coef > 0, a frozen reference copy): PolicyModels
+                         (grpo_lightning.policy_models), with the input checks and the reference's log-probs
   on_train_epoch_start   rollout under no_grad: sample, score, advantages, old/ref log-probs -> memory
   train_dataloader       an IterableDataset over the memory: shuffled minibatches
   training_step          clipped surrogate - kl_coef * k2, maximised by AdamW(maximize=True)
@@ -12,7 +13,6 @@ Lightning does backward, gradient clipping, precision, devices, checkpoints and 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 import warnings
@@ -25,9 +25,9 @@ from torch.utils.data import DataLoader
 from torchmetrics import MaxMetric, MeanMetric
 
 from rewards import CharCount, Reward
-from rewards.base import describe_reward, prepare_reward
+from rewards.base import describe_reward
 
-from .activation_checkpointing import enable_activation_checkpointing, flag_checkpointed_layers
+from .activation_checkpointing import flag_checkpointed_layers
 from .config import GRPO_Args, GRPOConfigError, validate_module_settings
 from .distributed import (
     all_gather_objects,
@@ -41,41 +41,22 @@ from .distributed import (
 from .kl import kl_loss_penalty, kl_loss_terms
 from .losses import kl_objective, surrogate_objective
 from .losses import loss_variant as loss_variant_named
-from .lora import LoraSettings, apply_lora
+from .lora import LoraSettings
 from .machine import competing_processes, cpu_contention_warning, fit_threads_to_cpus
 from .memory import ReplayDataset, ReplayMemory, ReplayMinibatch
 from .guards import NonFiniteSteps
-from .models import (
-    check_model_fits,
-    check_model_name,
-    load_causal_lm,
-    load_model_config,
-    load_tokenizer,
-    resolve_model_path,
-)
-from .objectives import (
-    calc_clipped_surrogate_objective,
-    clip_fraction,
-    generated_logprobs,
-    get_logprobs_batched,
-)
+from .models import check_model_name
+from .objectives import calc_clipped_surrogate_objective, clip_fraction, generated_logprobs
 from .optim import get_optimizer_and_scheduler
-from .packed_linear import decode_matmul_backend, prepared_linear_layers
 from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen_keys
+from .policy_models import PolicyModels
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
 from .reporting import phase_line, render_console_table, render_markdown_table
 from .rollout_stats import importance_ratio_stats
-from .training_products import training_matmul_backend, use_training_products
 from .heldout import HeldOutEvaluation, HeldOutScores, heldout_rows
 from .prompts import PromptSource, describe_source
-from .rollout import prompt_text
 from .rollout_phase import run_rollout
-from .sampling import default_start_token, encode_prompt, stop_token_ids
 
-
-# Up to this many tokens per sequence, plain ("eager") attention beats the fused kernel on CPU (a
-# learning step of 32 x 33 tokens of SmolLM2-135M: 3.16 s against 3.54 s); its seq x seq matrices stay small.
-SHORT_SEQUENCE_TOKENS = 64
 
 # Intentional, explained choices that Lightning warns about on every run:
 # - the models stay in eval mode while training (no dropout; see on_train_epoch_start);
@@ -104,7 +85,7 @@ def phase_seed(seed: int, phase: int, rank: int) -> int:
     return ((seed * 1_000_003 + phase) * 1_009 + rank) % (2**63)
 
 
-class GRPOModule(HeldOutEvaluation, L.LightningModule):
+class GRPOModule(PolicyModels, HeldOutEvaluation, L.LightningModule):
     def __init__(
         self,
         reward: Reward | Callable[[list[str]], Tensor] | None = None,
@@ -304,60 +285,8 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         holds plain data only, so no code in a checkpoint file ever runs."""
         return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs)
 
-    # ---- models ----------------------------------------------------------------------------
-
-    @property
-    def uses_reference(self) -> bool:
-        return self.args.kl_coef > 0
-
-    def configure_model(self) -> None:
-        """Loads the models once (Lightning and ``load_from_checkpoint`` may both call this)."""
-        if self.policy is not None:
-            return
-        self.check_inputs()  # loads the tokenizer; refuses what cannot work before any weights load
-        prepare_reward(self.reward)  # load a reward model now: a missing classifier fails before training
-        if self.stop_at_eos:
-            self.stop_tokens = stop_token_ids(self.tokenizer)
-        attention = self.attention_kernel()
-        self.policy = load_causal_lm(self.args.base_model, attention, self.trust_remote_code)
-        if self.lora is not None:
-            # The reference is this same network with its adapters disabled: no second copy.
-            self.policy = apply_lora(self.policy, self.lora, seed=self.args.seed)
-        elif self.uses_reference:
-            reference = load_causal_lm(self.args.base_model, attention, self.trust_remote_code)
-            self.ref_model = reference.requires_grad_(False)
-        if self.activation_checkpointing:
-            enable_activation_checkpointing(self.policy)
-        use_training_products(self.policy)  # the learning step's fp32 products through oneDNN where faster
-
-    def check_inputs(self) -> None:
-        """Loads the tokenizer (once) and, before any weights load, refuses a tokenizer that does not fit
-        the model, a prompt + gen_len beyond its context, or truncated weight files. The command line
-        calls it before the trainer is built, so that a refusal is all a run prints."""
-        decode_matmul_backend(), training_matmul_backend()  # a misspelt library override: one line, now
-        path = resolve_model_path(self.args.base_model)
-        config = load_model_config(path, self.trust_remote_code)  # first: the smallest file, read alone
-        if self.tokenizer is None:
-            self.tokenizer = load_tokenizer(path, self.trust_remote_code)
-        start = default_start_token(self.tokenizer) if self.start_token is None else self.start_token
-        # As encode_prompt counts, without the tokenizer's warning about texts beyond its maximum length.
-        prompt_tokens = max(len(self.tokenizer(text, add_special_tokens=False, verbose=False).input_ids)
-                            for text in self.known_prompt_texts(start))  # fmt: skip
-        check_model_fits(config, path, len(self.tokenizer), prompt_tokens, self.args.gen_len)
-        self.max_positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-
-    def known_prompt_texts(self, start: str) -> list[str]:
-        """The texts the model will be asked, where they are known before training: the single prompt, or
-        every row of a fixed prompt set (a generated stream is checked as it is drawn), and the held-out
-        prompts."""
-        rows = []
-        if self.prompts is not None:
-            with contextlib.suppress(NotImplementedError):
-                rows = self.prompts.all_rows()
-        if self.eval_prompts is not None:
-            rows = rows + heldout_rows(self.eval_prompts)
-        texts = [prompt_text(self.tokenizer, row["prompt"], self.start_token, self.chat_template) for row in rows]
-        return texts or [start + self.args.prompt]
+    # ---- models: configure_model, check_inputs and get_ref_logprobs are PolicyModels' --------
+    # ---- the phase's rows ------------------------------------------------------------------
 
     @property
     def sequences_per_phase(self) -> int:
@@ -383,33 +312,11 @@ class GRPOModule(HeldOutEvaluation, L.LightningModule):
         rows = self.prompts.draw(self.args.seed, self.current_epoch, self.prompts_per_phase)
         return rank_share(rows, *rank_and_world(self))
 
-    def attention_kernel(self) -> str | None:
-        """``attn_implementation``, or for null: "eager" for short sequences, else transformers' default."""
-        if self.attn_implementation is not None:
-            return self.attn_implementation
-        if self.prompts is not None or self.chat_template:
-            return None  # lengths known only as prompts are drawn: transformers' default kernel
-        prompt_tokens = encode_prompt(self.tokenizer, self.args.prompt, self.start_token).shape[1]
-        return "eager" if prompt_tokens + self.args.gen_len <= SHORT_SEQUENCE_TOKENS else None
-
     @property
     def on_policy(self) -> bool:
         """One minibatch, one pass: every step's policy is the one that sampled, so log pi_old is
         exactly the detached current log pi (the importance ratio is exactly 1)."""
         return self.args.num_minibatches == 1 and self.args.batches_per_learning_phase == 1
-
-    def get_ref_logprobs(self, sample_ids: Tensor, attention_mask: Tensor | None = None) -> Tensor | None:
-        """(B, T) log-probabilities under the reference policy; None when there is none (kl_coef=0).
-        With LoRA, the reference is the policy with its adapters switched off."""
-        if not self.uses_reference:
-            return None
-        reference = self.ref_model if self.lora is None else self.policy
-        context = self.policy.disable_adapter() if self.lora is not None else contextlib.nullcontext()
-        # Where oneDNN multiplies (packed_linear.py: its layout fits any row count): fp32 on the AMD Zen 4
-        # machine took 6-8 % off this pass on plain weights, and 7-9 % more laid out once; bf16 autocast too
-        with context, prepared_linear_layers(reference, rows=None):
-            chunk = self.phase_args.minibatch_size
-            return get_logprobs_batched(reference, sample_ids, self.args.gen_len, chunk, attention_mask)
 
     # ---- rollout phase ---------------------------------------------------------------------
 

@@ -76,10 +76,10 @@ def plain_argv(monkeypatch):
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    """Fails the test if grpo_lightning.module loads a model or tokenizer."""
-    from grpo_lightning import module
+    """Fails the test if GRPOModule (grpo_lightning.policy_models) loads a model or tokenizer."""
+    from grpo_lightning import policy_models
 
-    refuse_model_loading(monkeypatch, module)
+    refuse_model_loading(monkeypatch, policy_models)
 
 
 def refuse_model_loading(monkeypatch, namespace) -> None:

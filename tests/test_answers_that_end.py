@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_module import make_module
 
-from grpo_lightning import module
+from grpo_lightning import policy_models
 
 STOPS = list(range(20, 120))  # a third of the tiny vocabulary ends an answer: most end within a few tokens
 
@@ -23,7 +23,7 @@ class RolloutWatcher(L.Callback):
 
 @pytest.fixture
 def ending_answers(monkeypatch):
-    monkeypatch.setattr(module, "stop_token_ids", lambda tokenizer: STOPS)
+    monkeypatch.setattr(policy_models, "stop_token_ids", lambda tokenizer: STOPS)
 
 
 @pytest.mark.parametrize("variant", ["grpo", "dapo", "dr_grpo", "gspo"])

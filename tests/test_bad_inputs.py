@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import build_tiny_llama
 
-from grpo_lightning import cli, models, module
+from grpo_lightning import cli, models, module, policy_models
 from rewards import Reward
 
 # Settings that make a fit of the tiny model take a second: one phase of two 2-token completions.
@@ -39,7 +39,7 @@ def no_weights(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded although the inputs are invalid")
 
-    monkeypatch.setattr(module, "load_causal_lm", refuse)
+    monkeypatch.setattr(policy_models, "load_causal_lm", refuse)
 
 
 def error_line(argv: list[str], capsys, code: int) -> str:

@@ -34,7 +34,7 @@ import lightning as L
 import pytest
 import torch
 
-from grpo_lightning import GRPOModule, cli, load_causal_lm, memory, module, rollout_phase
+from grpo_lightning import GRPOModule, cli, load_causal_lm, memory, policy_models, rollout_phase
 from grpo_lightning.checkpointing import find_last_checkpoint
 from grpo_lightning.prompts import PromptFile
 from grpo_lightning.rollout import Group
@@ -289,7 +289,7 @@ def no_weights(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded although the inputs are invalid")
 
-    monkeypatch.setattr(module, "load_causal_lm", refuse)
+    monkeypatch.setattr(policy_models, "load_causal_lm", refuse)
 
 
 def test_a_phase_that_does_not_split_over_the_processes_is_one_line(tiny_model_dir, tmp_path, no_weights, capsys):

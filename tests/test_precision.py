@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import refuse_model_loading
 
-from grpo_lightning import cli, module, precision
+from grpo_lightning import cli, policy_models, precision
 from grpo_lightning.precision import CpuInfo
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -147,7 +147,7 @@ def experiment_cli(config: str, tmp_path):
 
 @pytest.fixture
 def no_model_loading(monkeypatch):
-    refuse_model_loading(monkeypatch, module)
+    refuse_model_loading(monkeypatch, policy_models)
 
 
 @pytest.mark.parametrize("cpu, expected", [(ZEN3, "32-true"), (SAPPHIRE_RAPIDS, "bf16-mixed")])

@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_module import make_module
 
-from grpo_lightning import cli, module
+from grpo_lightning import cli, policy_models
 from grpo_lightning.config import GRPOConfigError
 from grpo_lightning.objectives import generated_logprobs
 from grpo_lightning.prompts import PromptFile, PromptList, describe_source
@@ -172,7 +172,7 @@ def multi_prompt_args(model_dir: str, prompts: str, root) -> list[str]:
 
 def test_a_multi_prompt_run_with_ending_answers_resumes_exactly(tiny_model_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
-    monkeypatch.setattr(module, "stop_token_ids", lambda tokenizer: list(range(20, 120)))  # answers end early
+    monkeypatch.setattr(policy_models, "stop_token_ids", lambda tokenizer: list(range(20, 120)))  # answers end early
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(row) for row in ROWS))
     cli.main(multi_prompt_args(tiny_model_dir, str(prompts), tmp_path / "whole"))

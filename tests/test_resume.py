@@ -10,7 +10,7 @@ import torch
 import yaml
 from conftest import refuse_model_loading
 
-from grpo_lightning import cli, module
+from grpo_lightning import cli, policy_models
 from grpo_lightning.optim import warmup_linear_decay
 from grpo_lightning.resume import changed_settings, phases_done, resume_conflicts
 
@@ -75,7 +75,7 @@ def test_a_finished_run_is_not_resumed_into_nothing(finished_run, capsys):
 
 
 def test_settings_that_shape_the_weights_or_the_reward_cannot_change(finished_run, tmp_path, monkeypatch, capsys):
-    refuse_model_loading(monkeypatch, module)
+    refuse_model_loading(monkeypatch, policy_models)
     other_model = tmp_path / "other-model"
     other_model.mkdir()
     code, err = exit_of([
@@ -93,13 +93,13 @@ def test_settings_that_shape_the_weights_or_the_reward_cannot_change(finished_ru
 
 
 def test_last_with_no_checkpoint_is_one_line(tmp_path, monkeypatch, capsys):
-    refuse_model_loading(monkeypatch, module)
+    refuse_model_loading(monkeypatch, policy_models)
     code, err = exit_of(["fit", "--ckpt_path", "last", "--trainer.default_root_dir", str(tmp_path)], capsys)
     assert code == 2 and err == f"error: --ckpt_path last: no checkpoint under {tmp_path}/ (a checkpoint is written at the end of each phase); start without --ckpt_path, or pass a .ckpt file\n"
 
 
 def test_a_missing_or_truncated_checkpoint_is_one_line_before_any_model_loads(tmp_path, monkeypatch, capsys):
-    refuse_model_loading(monkeypatch, module)
+    refuse_model_loading(monkeypatch, policy_models)
     code, err = exit_of(["fit", "--ckpt_path", str(tmp_path / "no.ckpt")], capsys)
     assert code == 2 and err.startswith(f"error: no checkpoint at {tmp_path / 'no.ckpt'}: pass an existing .ckpt file")
     truncated = tmp_path / "cut.ckpt"

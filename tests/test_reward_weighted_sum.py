@@ -136,10 +136,10 @@ def test_weighted_sum_holds_network_components_as_frozen_child_modules():
 def test_weighted_sum_from_yaml_through_the_cli(tmp_path, monkeypatch):
     import sys
 
-    from grpo_lightning import cli, module
+    from grpo_lightning import cli, policy_models
 
     monkeypatch.setattr(sys, "argv", ["grpo-lightning"])
-    monkeypatch.setattr(module, "load_causal_lm", None)  # nothing may load: run=False
+    monkeypatch.setattr(policy_models, "load_causal_lm", None)  # nothing may load: run=False
     config = tmp_path / "weighted.yaml"
     config.write_text(
         "model:\n"

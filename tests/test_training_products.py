@@ -189,10 +189,10 @@ def test_strided_input_and_an_expanded_gradient():
 def test_a_misspelt_library_is_one_line_before_any_weights_load(tiny_model_dir, monkeypatch, env):
     from conftest import refuse_model_loading
 
-    from grpo_lightning import module as module_file
+    from grpo_lightning import policy_models
     from grpo_lightning.module import GRPOModule
 
-    refuse_model_loading(monkeypatch, module_file)
+    refuse_model_loading(monkeypatch, policy_models)
     monkeypatch.setenv(env, "mkl2")
     with pytest.raises(GRPOError, match=rf"^{env}='mkl2' is not one of "):
         GRPOModule(model_name_or_path=tiny_model_dir, batch_size=4, num_minibatches=2).check_inputs()
