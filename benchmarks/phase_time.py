@@ -130,7 +130,7 @@ WARMUP_PHASES = 1
 SEED = 1
 PEAK_GEMM_SIZE = 2048
 EMULATED_GEMM_SIZE = 256  # the bf16 "peak" on a CPU that emulates bf16 (a 2048^3 product takes minutes there)
-BUSY_LOADAVG = 0.5  # 1-minute load average above which the machine counts as busy
+BUSY_CORES = 0.5  # cores' worth of CPU that all processes may use in the sample before the machine counts as busy
 BUSY_PROCESS_CPU = 10.0  # % of one core that another process may use before it is named in the warning
 
 
@@ -304,14 +304,20 @@ def cpu_seconds() -> float:
 
 
 def busy_machine_warning(sample_s: float = 1.0) -> str | None:
-    """A warning when other work is using the CPU, or None when the machine looks idle."""
-    load1 = os.getloadavg()[0]
+    """A warning when other work is using the CPU, or None when the machine looks idle.
+
+    It samples the CPU now, for ``sample_s``: the 1-minute load average is no guide here, as it still counts
+    the previous measurement of a series (compare_trl.py runs them back to back) for a minute after it ended.
+    """
+    psutil.cpu_percent(None)  # starts the system-wide window
     busy = competing_processes(window_s=sample_s, busy_percent=BUSY_PROCESS_CPU)
-    if load1 <= BUSY_LOADAVG and not busy:
+    cpus = psutil.cpu_count()
+    cores_used = psutil.cpu_percent(None) / 100 * cpus
+    if cores_used <= BUSY_CORES and not busy:
         return None
     who = f"; busy: {', '.join(busy)}" if busy else ""
     return (
-        f"WARNING: the machine is not idle (1-min load average {load1:.2f}, {psutil.cpu_count()} CPUs{who}). "
+        f"WARNING: the machine is not idle ({cores_used:.1f} of {cpus} CPUs in use over {sample_s:g} s{who}). "
         "PyTorch on a few cores slows down sharply when other processes hold one; the times below are pessimistic."
     )
 

@@ -253,3 +253,25 @@ def test_decode_products_replays_the_products_of_a_whole_decode(tiny_model_dir, 
     assert len(whole) == gen_len * (2 * 4 + 1)
     assert whole[0][1] == (1, prompt_ids.shape[1], 32) and whole[-1][1] == (group, 1, 32)
     assert calls == whole
+
+
+@pytest.mark.parametrize(
+    ("cpu_percent", "competing", "expected"),
+    [
+        (10.0, [], None),  # 0.2 of 2 CPUs: idle, whatever the 1-minute load average still counts
+        (40.0, [], "0.8 of 2 CPUs in use over 1 s"),
+        (10.0, ["python (pid 7, 30% CPU)"], "0.2 of 2 CPUs in use over 1 s; busy: python (pid 7, 30% CPU)"),
+    ],
+)
+def test_busy_machine_warning_samples_the_cpu_now(monkeypatch, cpu_percent, competing, expected):
+    import benchmarks.phase_time as phase_time
+
+    monkeypatch.setattr(phase_time.os, "getloadavg", lambda: (1.9, 1.5, 1.0))  # just after a previous round
+    monkeypatch.setattr(phase_time.psutil, "cpu_count", lambda: 2)
+    monkeypatch.setattr(phase_time.psutil, "cpu_percent", lambda interval: cpu_percent)
+    monkeypatch.setattr(phase_time, "competing_processes", lambda window_s, busy_percent: competing)
+    warning = phase_time.busy_machine_warning(sample_s=1.0)
+    if expected is None:
+        assert warning is None
+    else:
+        assert warning.startswith(f"WARNING: the machine is not idle ({expected}).")
