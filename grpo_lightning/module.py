@@ -285,7 +285,8 @@ class GRPOModule(PolicyModels, HeldOutEvaluation, L.LightningModule):
         holds plain data only, so no code in a checkpoint file ever runs."""
         return super().load_from_checkpoint(checkpoint_path, map_location, hparams_file, strict, weights_only, **kwargs)
 
-    # ---- models: configure_model, check_inputs and get_ref_logprobs are PolicyModels' --------
+    # (the models: configure_model, check_inputs and get_ref_logprobs are PolicyModels', in policy_models.py)
+
     # ---- the phase's rows ------------------------------------------------------------------
 
     @property
