@@ -27,7 +27,10 @@ model's, and replaces the glue:
   and the MLP's gate and up projections as another;
 - the query and key heads are rotated in one pass, as ``x * cos + swap_halves(x) * signed_sin`` (the sign
   of ``rotate_half`` moved into a sin table made once), and the RMS norms run as PyTorch's fused one where
-  the activations are float32: fewer operations on (B, 1, d) tensors, whose dispatch is their cost.
+  the activations are float32: fewer operations on (B, 1, d) tensors, whose dispatch is their cost;
+- float32 steps of one token on the CPU go further: everything between the products (residual adds and norms,
+  rotation, cache writes and attention, the gated activation) runs as three compiled kernels
+  (``fused_decode``), each one pass over its data, where the machine can build them.
 
 The same products as the eager forward: logits agree with it to float rounding (tests/test_fast_decode.py
 compares them, with and without prepared products). Models of another shape are sampled through their own
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .fused_decode import fused_kernels
 from .packed_linear import prepared_product
 
 # Architectures whose decoder layer is exactly: x + attn(norm(x)), then x + mlp(norm(x)), with rotary
@@ -78,6 +82,9 @@ class _LayerProducts:
     o: Callable[[Tensor], Tensor]
     gate_up: Callable[[Tensor], tuple[Tensor, Tensor]]  # x -> (gate_proj(x), up_proj(x)): one product for the two
     down: Callable[[Tensor], Tensor]
+    # The single products, where prepared: x -> cat(q, k, v) and x -> cat(gate, up), as the fused kernels read them
+    joined_qkv: Callable[[Tensor], Tensor] | None = None
+    joined_gate_up: Callable[[Tensor], Tensor] | None = None
 
 
 def _layer_products(layer: torch.nn.Module, rows: int, prepare: bool, unprepared: list) -> _LayerProducts:
@@ -96,7 +103,8 @@ def _layer_products(layer: torch.nn.Module, rows: int, prepare: bool, unprepared
     def separate_qkv(x: Tensor) -> Tensor:
         return torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=-1)
 
-    qkv = joined(attn.q_proj, attn.k_proj, attn.v_proj) or separate_qkv
+    joined_qkv = joined(attn.q_proj, attn.k_proj, attn.v_proj)
+    qkv = joined_qkv or separate_qkv
     joined_gate_up = joined(mlp.gate_proj, mlp.up_proj)
     width = mlp.gate_proj.out_features
 
@@ -108,7 +116,7 @@ def _layer_products(layer: torch.nn.Module, rows: int, prepare: bool, unprepared
         return both[..., :width], both[..., width:]
 
     gate_up = split_gate_up if joined_gate_up else separate_gate_up
-    return _LayerProducts(qkv, own(attn.o_proj), gate_up, own(mlp.down_proj))
+    return _LayerProducts(qkv, own(attn.o_proj), gate_up, own(mlp.down_proj), joined_qkv or None, joined_gate_up or None)
 
 
 def _rms_norm(norm: torch.nn.Module, x: Tensor) -> Tensor:
@@ -166,6 +174,7 @@ class LeanDecoder:
         # rotate_half(x) * sin = (-x2, x1) * (s1, s2) = (x2, x1) * (-s1, s2): the halves swapped, and the sign in sin
         half = self.head_dim // 2
         self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
+        self.fused = _fused_step_kernels(self) if prepare else None  # kernels for one-token float32 steps, or None
 
     def prompt(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """The first call: the prompts (B, P), left-padded where ``attention_mask`` (B, P) is 0 (prompts of
@@ -184,7 +193,31 @@ class LeanDecoder:
         return logits[row_prompt]
 
     def step(self, ids: Tensor) -> Tensor:
+        fused = self.fused is not None and ids.shape[1] == 1 and len(self.keys) == len(self.products)
+        if fused and self.keys[0].dtype == torch.float32 and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled():
+            return self._fused_step(ids)
         return self._forward(ids, self.pads)
+
+    def _fused_step(self, ids: Tensor) -> Tensor:
+        """``_forward`` of one new token per row, float32 on the CPU: the products as there, the operations between
+        them as the fused kernels (``fused_decode``). ``hidden`` is updated in place by each residual add."""
+        kernels, position = self.fused, self.length
+        if position >= self.max_len:
+            raise ValueError(f"LeanDecoder holds {self.max_len} positions; {position + 1} were asked for")
+        pads = self.pads if self.pads is not None else _NO_PADS
+        hidden = self.body.embed_tokens(ids).view(ids.shape[0], -1)  # (B, d): a new tensor, not the embedding's
+        delta = None  # what the last MLP adds to hidden
+        for layer, products, keys, values in zip(self.body.layers, self.products, self.keys, self.values):
+            normed = kernels.add_rms_norm(hidden, delta, *_norm_parameters(layer.input_layernorm))
+            attended = kernels.decode_attention(
+                products.joined_qkv(normed), keys, values, self.cos, self.signed_sin, pads, position,
+                self.kv_heads, self.groups, self.scaling,
+            )
+            normed = kernels.add_rms_norm(hidden, products.o(attended), *_norm_parameters(layer.post_attention_layernorm))
+            width = layer.mlp.gate_proj.out_features
+            delta = products.down(kernels.silu_mul(products.joined_gate_up(normed), width))
+        self.length = position + 1
+        return self.head(kernels.add_rms_norm(hidden, delta, *_norm_parameters(self.body.norm)))  # (B, V)
 
     def _forward(self, ids: Tensor, pads: Tensor | None) -> Tensor:
         new = ids.shape[1]
@@ -250,6 +283,41 @@ class LeanDecoder:
         out = torch.matmul(weights, self.values[index][:, :, :end])  # (B, kv, groups * n, hd)
         out = out.view(batch, heads, new, hd).transpose(1, 2).reshape(batch, new, heads * hd)
         return products.o(out)
+
+
+_NO_PADS = torch.empty(0, dtype=torch.long)  # decode_attention's "no row is padded"
+
+
+def _norm_parameters(norm: torch.nn.Module) -> tuple[Tensor, float]:
+    return norm.weight, norm.variance_epsilon
+
+
+def _is_silu(module: torch.nn.Module) -> bool:
+    """PyTorch's SiLU module or transformers' (``ACT2FN["silu"]``, whose forward is ``F.silu``)."""
+    kind = type(module)
+    return kind is torch.nn.SiLU or (kind.__name__ == "SiLUActivation" and kind.__module__ == "transformers.activations")
+
+
+def _fused_step_kernels(decoder: LeanDecoder):
+    """The fused kernels where they compute ``decoder``'s one-token steps exactly as its ``_forward`` does: float32
+    weights and caches on the CPU, every layer's q/k/v and gate/up as single prepared products, SiLU gating and
+    RMS norms with float32 weights. None otherwise (and where they cannot be built, or are turned off)."""
+    body = decoder.body
+    embedding = body.embed_tokens.weight
+    if embedding.device.type != "cpu" or embedding.dtype != torch.float32 or decoder.cos.dtype != torch.float32:
+        return None
+    norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if not all(
+        isinstance(getattr(norm, "weight", None), Tensor) and norm.weight.dtype == torch.float32
+        and norm.weight.is_contiguous() and isinstance(getattr(norm, "variance_epsilon", None), float)
+        for norm in norms
+    ):
+        return None
+    if not all(_is_silu(layer.mlp.act_fn) for layer in body.layers):
+        return None
+    if not all(p.joined_qkv and p.joined_gate_up for p in decoder.products):
+        return None
+    return fused_kernels()
 
 
 class ModelDecoder:

@@ -1,0 +1,237 @@
+"""The fused decode kernels (grpo_lightning/csrc/decode_step.cpp) compute the PyTorch formulas they replace: each
+kernel against a float64 reference written out by hand, the decoder's fused steps against the model's own forward
+(plain, grouped queries, Qwen2's biases, left-padded prompts), and the fallback where the kernels are off or
+cannot be built."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+from conftest import build_tiny_llama
+from test_fast_decode import build_tiny_qwen2, full_forward, left_padded_prompts
+
+from grpo_lightning import fast_decode, fused_decode, packed_linear
+from grpo_lightning.fast_decode import LeanDecoder
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler here: the decoder runs its PyTorch operations")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    built = fused_decode.fused_kernels()
+    assert built is not None, "a C++ compiler is here, so the fused kernels must build (see the warning above)"
+    return built
+
+
+def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return weight.double() * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("with_delta", [False, True])
+def test_add_rms_norm_adds_in_place_and_returns_the_models_norm(kernels, with_delta):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(5, 96, generator=generator) * 3
+    delta = torch.randn(5, 96, generator=generator) if with_delta else None
+    weight = torch.rand(96, generator=generator) + 0.5
+    expected_hidden = hidden + delta if with_delta else hidden.clone()
+    normed = kernels.add_rms_norm(hidden, delta, weight, 1e-5)
+    assert torch.equal(hidden, expected_hidden)  # the residual add, in place, is one float32 add per entry
+    torch.testing.assert_close(normed.double(), reference_norm(expected_hidden, weight, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+def test_add_rms_norm_keeps_eps_for_a_zero_row(kernels):
+    normed = kernels.add_rms_norm(torch.zeros(1, 8), None, torch.ones(8), 1e-6)
+    assert torch.equal(normed, torch.zeros(1, 8))  # 0 * rsqrt(0 + eps): no NaN from a zero mean square
+
+
+def rotary_tables(length: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin (L, hd) as Llama's rotary embedding lays them out: each frequency twice, halves side by side."""
+    inverse = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * inverse[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The models' rotary formula, x * cos + rotate_half(x) * sin, with rotate_half(x1, x2) = (-x2, x1)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+def reference_attention(qkv, keys, values, cos, sin, pads, position, kv_heads, groups, scaling):
+    """Per row: rotate at its own position (counted from its first real token), write k and v at ``position``,
+    softmax over the keys from its first real column to ``position``, weighted values. Float64, by the formulas."""
+    rows, head_dim = qkv.shape[0], keys.shape[-1]
+    heads = kv_heads * groups
+    keys, values = keys.double().clone(), values.double().clone()
+    out = torch.empty(rows, heads, head_dim, dtype=torch.float64)
+    split = qkv.double().view(rows, heads + 2 * kv_heads, head_dim)
+    for r in range(rows):
+        first = int(pads[r]) if pads.numel() else 0
+        at = position - first
+        keys[r, :, position] = rotate(split[r, heads : heads + kv_heads], cos[at], sin[at])
+        values[r, :, position] = split[r, heads + kv_heads :]
+        for h in range(heads):
+            k = h // groups  # query head h = k * groups + g reads key/value head k
+            query = rotate(split[r, h], cos[at], sin[at])
+            scores = keys[r, k, first : position + 1] @ query * scaling
+            out[r, h] = torch.softmax(scores, dim=0) @ values[r, k, first : position + 1]
+    return out.view(rows, heads * head_dim), keys, values
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "left-padded"])
+@pytest.mark.parametrize("kv_heads, groups", [(2, 2), (1, 3), (3, 1)])
+def test_decode_attention_rotates_writes_the_caches_and_attends_over_visible_keys(kernels, padded, kv_heads, groups):
+    generator = torch.Generator().manual_seed(kv_heads * 10 + groups)
+    rows, head_dim, length, position = 4, 16, 12, 7
+    heads = kv_heads * groups
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    keys = torch.randn(rows, kv_heads, length, head_dim, generator=generator)  # positions before 7: earlier steps
+    values = torch.randn(rows, kv_heads, length, head_dim, generator=generator)
+    cos, sin = rotary_tables(length, head_dim)
+    half = head_dim // 2
+    signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)  # the sign of rotate_half, as the decoder keeps it
+    pads = torch.tensor([0, 3, 1, 6]) if padded else torch.empty(0, dtype=torch.long)
+    scaling = head_dim**-0.5
+    expected, expected_keys, expected_values = reference_attention(
+        qkv, keys, values, cos, sin, pads, position, kv_heads, groups, scaling
+    )
+    out = kernels.decode_attention(qkv, keys, values, cos.float(), signed_sin.float(), pads, position, kv_heads, groups, scaling)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(keys.double(), expected_keys, rtol=1e-5, atol=1e-6)
+    assert torch.equal(values.double(), expected_values)  # values are copied as they are
+
+
+def test_decode_attention_with_one_visible_key_returns_its_value(kernels):
+    qkv = torch.randn(1, 3 * 8, generator=torch.Generator().manual_seed(1)) * 50  # large scores: softmax of one is 1
+    keys, values = torch.zeros(1, 1, 4, 8), torch.zeros(1, 1, 4, 8)
+    cos, sin = torch.ones(4, 8), torch.zeros(4, 8)
+    out = kernels.decode_attention(qkv, keys, values, cos, sin, torch.tensor([2]), 2, 1, 1, 1.0)
+    assert torch.equal(out, qkv[:, 16:])  # the value just written, weight exactly 1
+
+
+def test_silu_mul_is_silu_of_the_gate_times_up(kernels):
+    generator = torch.Generator().manual_seed(2)
+    gate = torch.cat([torch.randn(3, 40, generator=generator) * 4, torch.tensor([[-200.0, -88.0, -30.0, 0.0, 30.0, 90.0, 200.0, 1e-3]] * 3)], dim=1)
+    up = torch.randn(3, gate.shape[1], generator=generator)
+    out = kernels.silu_mul(torch.cat([gate, up], dim=1), gate.shape[1])
+    expected = gate.double() * up.double() / (1 + torch.exp(-gate.double()))
+    torch.testing.assert_close(out.double(), expected, rtol=4e-7, atol=1e-30)  # exp within 2 ulp, and three roundings
+
+
+def test_silu_mul_propagates_nan(kernels):
+    out = kernels.silu_mul(torch.tensor([[float("nan"), 1.0, 2.0, float("nan")]]), 2)
+    assert out[0, 0].isnan() and out[0, 1].isnan()
+
+
+@pytest.fixture
+def fused_steps(monkeypatch, kernels):
+    """Counts the decoder's fused steps; products prepared for the tiny layers too (the kernels need them)."""
+    monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)
+    calls = []
+    original = LeanDecoder._fused_step
+
+    def counted(self, ids):
+        calls.append(ids.shape)
+        return original(self, ids)
+
+    monkeypatch.setattr(LeanDecoder, "_fused_step", counted)
+    return calls
+
+
+def build_tiny_gqa3(vocab_size: int, seed: int):
+    """6 query heads over 2 key/value heads, head_dim 8."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("build", [build_tiny_llama, build_tiny_qwen2, build_tiny_gqa3], ids=["llama", "qwen2-biases", "gqa3"])
+@torch.no_grad()
+def test_fused_steps_give_the_models_logits(fused_steps, build):
+    model = build(vocab_size=300, seed=5)
+    prompt = torch.randint(0, 300, (1, 3), generator=torch.Generator().manual_seed(7))
+    ids = torch.cat([prompt.repeat(4, 1), torch.randint(0, 300, (4, 5), generator=torch.Generator().manual_seed(8))], dim=1)
+    decoder = LeanDecoder(model, 4, 8)
+    assert decoder.fused is not None
+    logits = torch.stack([decoder.prompt(ids[:, :3]), *(decoder.step(ids[:, t : t + 1]) for t in range(3, 8))], dim=1)
+    assert fused_steps == [torch.Size([4, 1])] * 5  # every one-token step, not the prompt
+    torch.testing.assert_close(logits, full_forward(model, ids, 3), rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_fused_steps_of_left_padded_prompts_decode_as_each_row_alone(fused_steps):
+    model = build_tiny_llama(vocab_size=300, seed=3)
+    ids, mask, rows = left_padded_prompts([2, 5, 3], rows_each=2, extra=4, seed=11)
+    prompt_len = 5  # the longest prompt; the mask covers each row's own 4 tokens after it too
+    decoder = LeanDecoder(model, ids.shape[0], ids.shape[1])
+    logits = [decoder.prompt(ids[:, :prompt_len], mask[:, :prompt_len])]
+    logits += [decoder.step(ids[:, t : t + 1]) for t in range(prompt_len, ids.shape[1])]
+    assert len(fused_steps) == 4
+    for r, row in enumerate(rows):  # each row alone, unpadded, through the model's forward
+        own = model(input_ids=row).logits[0, -5:]
+        torch.testing.assert_close(torch.stack([step[r] for step in logits]), own, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_no_fused_steps_under_autocast_with_gradients_or_with_the_kernels_off(fused_steps, monkeypatch):
+    model = build_tiny_llama(vocab_size=300, seed=3)
+    ids = torch.randint(0, 300, (2, 4), generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed sampling: its products, its rounding
+        decoder = LeanDecoder(model, 2, 4)
+        decoder.prompt(ids[:, :2])
+        decoder.step(ids[:, 2:3])
+    with torch.enable_grad():  # built with gradients on: the modules' own forwards, no prepared products
+        with_gradients = LeanDecoder(model, 2, 4)
+        with_gradients.prompt(ids[:, :2])
+        with_gradients.step(ids[:, 2:3])
+    assert fused_steps == []
+    monkeypatch.setattr(fast_decode, "fused_kernels", lambda: None)  # turned off, or not buildable here
+    off = LeanDecoder(model, 2, 4)
+    assert off.fused is None
+    first = off.prompt(ids[:, :2])
+    later = [off.step(ids[:, t : t + 1]) for t in range(2, 4)]
+    assert fused_steps == []
+    torch.testing.assert_close(torch.stack([first, *later], dim=1), full_forward(model, ids, 2), rtol=0, atol=1e-5)
+
+
+def test_the_environment_variable_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
+    fused_decode.fused_kernels.cache_clear()
+    try:
+        assert fused_decode.fused_kernels() is None
+    finally:
+        fused_decode.fused_kernels.cache_clear()
+
+
+def test_a_failed_build_says_so_in_one_line_and_returns_none(monkeypatch, caplog, tmp_path):
+    from torch.utils import cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions\nsecond line")
+
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here, nothing left in the real cache
+    fused_decode.fused_kernels.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="grpo_lightning.fused_decode"):
+            assert fused_decode.fused_kernels() is None
+    finally:
+        fused_decode.fused_kernels.cache_clear()
+    [record] = caplog.records
+    assert "Ninja is required" in record.getMessage() and "second line" not in record.getMessage()
+    assert fused_decode.FUSED_DECODE_ENV in record.getMessage()
+
+
+def test_the_build_name_follows_the_cpu_and_the_source(monkeypatch):
+    here = fused_decode.extension_name()
+    monkeypatch.setattr(fused_decode, "_read_cpuinfo", lambda: "model name\t: Other CPU\nflags\t\t: sse2 avx2\n")
+    assert fused_decode.extension_name() != here  # -march=native code is not shared with another CPU
