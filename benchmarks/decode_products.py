@@ -17,7 +17,8 @@ For each group size G, two things alternate ``--runs`` times in one process:
 
 Both are timed with their weights laid out first and freed after (the layout is part of "whole", as in a
 rollout, and of "products" too). "rest" = whole - products: the operations between the products, the sampling
-draw and the prompt's copy of its keys and values to the G rows. The FLOPs are phase_time.py's generation FLOPs
+draw and the prompt's copy of its keys and values to the G rows (in fp32, where they could be built, the
+fused kernels of ``grpo_lightning/fused_decode.py``; ``GRPO_LIGHTNING_FUSED_DECODE=0`` measures without them). The FLOPs are phase_time.py's generation FLOPs
 (matmuls and attention); "products" counts the matmuls only. GFLOP/s are against the fp32 (or, in bf16-mixed,
 bf16) peak of a 2048^3 product measured first, as phase_time.py measures it, so "% peak" of the products alone is
 the most the sampling part of a phase could reach on this machine with these libraries, and "% peak" of the
@@ -71,14 +72,17 @@ def run_products(model: torch.nn.Module, group: int, prompt_len: int, gen_len: i
     config = decoder.config
     width, ff = config.hidden_size, config.intermediate_size
     attended = config.num_attention_heads * decoder.head_dim  # the output product's input width
+    fused = decoder.fused is not None and not torch.is_autocast_enabled("cpu")  # its steps pass (B, d) inputs
     for rows, new in [(1, prompt_len)] + [(group, 1)] * (gen_len - 1):
-        x, mixed, hidden = torch.randn(rows, new, width), torch.randn(rows, new, attended), torch.randn(rows, new, ff)
+        flat = fused and new == 1
+        positions = (rows,) if flat else (rows, new)
+        x, mixed, hidden = (torch.randn(*positions, n) for n in (width, attended, ff))
         for products in decoder.products:
             products.qkv(x)
             products.o(mixed)
-            products.gate_up(x)
+            (products.joined_gate_up if flat else products.gate_up)(x)
             products.down(hidden)
-        decoder.head(x[:, -1:])
+        decoder.head(x if flat else x[:, -1:])
 
 
 @torch.no_grad()

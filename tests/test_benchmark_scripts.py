@@ -220,13 +220,21 @@ def test_decode_products_flops_by_hand():
     assert product_flops(DIMS, group=4, prompt_len=2, gen_len=3) == 5000 + 2 * 12000
 
 
-def test_decode_products_replays_the_products_of_a_whole_decode(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-steps", "pytorch-steps"])
+def test_decode_products_replays_the_products_of_a_whole_decode(tiny_model_dir, monkeypatch, fused):
     """The products-only run calls the very products a sampling run calls, with inputs of the same shapes, in
-    the same order: the prompt's forward on one row, then every step's layers and unembedding."""
+    the same order: the prompt's forward on one row, then every step's layers and unembedding (with the fused
+    kernels, the steps' inputs are (B, d))."""
     import grpo_lightning.packed_linear as packed_linear
     from benchmarks.decode_products import run_products, run_whole
-    from grpo_lightning import load_causal_lm, load_tokenizer
+    from grpo_lightning import fast_decode, load_causal_lm, load_tokenizer
+    from grpo_lightning.fused_decode import fused_kernels
     from grpo_lightning.sampling import encode_prompt
+
+    if fused and fused_kernels() is None:
+        pytest.skip("the fused decode kernels cannot be built here (no C++ compiler)")
+    if not fused:
+        monkeypatch.setattr(fast_decode, "fused_kernels", lambda: None)
 
     monkeypatch.setattr(packed_linear, "MIN_PACKED_WEIGHT", 1)  # prepare the tiny model's products too
     monkeypatch.setenv("GRPO_LIGHTNING_DECODE_MATMUL", "onednn")
@@ -251,7 +259,7 @@ def test_decode_products_replays_the_products_of_a_whole_decode(tiny_model_dir, 
     run_products(model, group, prompt_ids.shape[1], gen_len)
     # 2 layers x 4 products + the head, for the prompt and for each of the gen_len - 1 steps
     assert len(whole) == gen_len * (2 * 4 + 1)
-    assert whole[0][1] == (1, prompt_ids.shape[1], 32) and whole[-1][1] == (group, 1, 32)
+    assert whole[0][1] == (1, prompt_ids.shape[1], 32) and whole[-1][1] == ((group, 32) if fused else (group, 1, 32))
     assert calls == whole
 
 
