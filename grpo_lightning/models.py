@@ -138,12 +138,14 @@ def embedded_model_dir() -> Path:
     return out_dir
 
 
-def resolve_model_path(name_or_path: str | None) -> str:
-    """A loadable hub id or directory for ``name_or_path`` (None means the embedded default).
-    A hub id that is not in the local cache while the hub cannot be reached fails at once, instead
+def resolve_model_path(name_or_path: str | os.PathLike | None) -> str:
+    """A loadable hub id or directory for ``name_or_path`` (None means the embedded default; a ``Path`` is a
+    directory). A hub id that is not in the local cache while the hub cannot be reached fails at once, instead
     of after a minute of connection retries."""
     if name_or_path is None:
         return str(embedded_model_dir())
+    if isinstance(name_or_path, os.PathLike):
+        return str(Path(name_or_path).expanduser())
     check_model_name(name_or_path)
     if looks_like_local_path(name_or_path):
         return str(Path(name_or_path).expanduser())

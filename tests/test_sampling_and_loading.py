@@ -72,6 +72,13 @@ def test_local_directory_loads_in_fp32_eval_mode(tiny_model_dir):
     assert model.generation_config.eos_token_id is None
 
 
+def test_a_path_object_loads_as_its_directory(tiny_model_dir):
+    from pathlib import Path
+
+    model, tokenizer = load_causal_lm(Path(tiny_model_dir)), load_tokenizer(Path(tiny_model_dir))
+    assert model.config.vocab_size == len(tokenizer)  # the tiny model saved there, not a hub lookup
+
+
 @pytest.mark.parametrize(
     "name, is_path",
     [("gpt2", False), ("lvwerra/distilbert-imdb", False), ("./model", True), ("/abs/model", True), ("~/m", True), ("a/b/c", True)],
