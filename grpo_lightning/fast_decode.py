@@ -193,10 +193,14 @@ class LeanDecoder:
         return logits[row_prompt]
 
     def step(self, ids: Tensor) -> Tensor:
-        fused = self.fused is not None and ids.shape[1] == 1 and len(self.keys) == len(self.products)
-        if fused and self.keys[0].dtype == torch.float32 and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled():
-            return self._fused_step(ids)
-        return self._forward(ids, self.pads)
+        return self._fused_step(ids) if self._steps_fused(ids) else self._forward(ids, self.pads)
+
+    def _steps_fused(self, ids: Tensor) -> bool:
+        """Whether this call is one token per row after the prompt (the caches exist), in float32, as built."""
+        if self.fused is None or ids.shape[1] != 1 or len(self.keys) != len(self.products):
+            return False
+        fp32_caches = self.keys[0].dtype == torch.float32
+        return fp32_caches and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()
 
     def _fused_step(self, ids: Tensor) -> Tensor:
         """``_forward`` of one new token per row, float32 on the CPU: the products as there, the operations between
@@ -305,6 +309,8 @@ def _fused_step_kernels(decoder: LeanDecoder):
     body = decoder.body
     embedding = body.embed_tokens.weight
     if embedding.device.type != "cpu" or embedding.dtype != torch.float32 or decoder.cos.dtype != torch.float32:
+        return None
+    if torch.is_autocast_enabled("cpu"):  # a bf16-mixed rollout: built in it, the decoder steps in it
         return None
     norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if not all(

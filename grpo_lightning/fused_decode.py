@@ -21,8 +21,8 @@ within 1 ulp), so logits agree with the PyTorch path to float rounding, as any t
 sampled from them is unchanged (the exact-distribution tests run either way).
 
 The extension is compiled once per machine, with ``-march=native``, by PyTorch's ``cpp_extension`` (a C++
-compiler and ninja, which the package depends on), the first time a float32 CPU rollout needs it (about
-30 s; ``scripts/setup.sh`` builds it as part of the setup), and cached in PyTorch's extension directory
+compiler and ninja, which the package depends on), the first time a float32 CPU rollout (not a bf16-mixed
+one) needs it (about 30 s; ``scripts/setup.sh`` builds it as part of the setup), and cached in PyTorch's extension directory
 (``$TORCH_EXTENSIONS_DIR``) under a name that includes the CPU's features. Where it cannot be built the
 decoder says so in one line and runs its PyTorch operations; ``GRPO_LIGHTNING_FUSED_DECODE=0`` turns the
 kernels off.
@@ -77,9 +77,17 @@ def fused_kernels() -> ModuleType | None:
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         if not any(build_dir.glob(f"{name}*.so")):
             print(f"grpo-lightning: building the fused decode kernels once for this CPU (~30 s; cached in {build_dir})", flush=True)
-        # ninja from the package's own environment, where it was installed with it, even if that is not on PATH
-        os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
-        return cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS, verbose=False)
+        # ninja from the package's own environment, where it was installed with it, even if that is not on PATH;
+        # the user's PATH is given back afterwards
+        path = os.environ.get("PATH")
+        os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), path or ""])
+        try:
+            return cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=COMPILE_FLAGS, verbose=False)
+        finally:
+            if path is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = path
     except Exception as error:  # no compiler or ninja, a read-only cache, ...: the PyTorch path does the same work
         first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
         log.warning("grpo-lightning: fused decode kernels unavailable (%s); sampling runs PyTorch's operations "

@@ -6,6 +6,7 @@ cannot be built."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import pytest
@@ -187,6 +188,7 @@ def test_no_fused_steps_under_autocast_with_gradients_or_with_the_kernels_off(fu
     ids = torch.randint(0, 300, (2, 4), generator=torch.Generator().manual_seed(3))
     with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed sampling: its products, its rounding
         decoder = LeanDecoder(model, 2, 4)
+        assert decoder.fused is None  # a bf16-mixed run neither builds nor loads the kernels
         decoder.prompt(ids[:, :2])
         decoder.step(ids[:, 2:3])
     with torch.enable_grad():  # built with gradients on: the modules' own forwards, no prepared products
@@ -220,18 +222,20 @@ def test_a_failed_build_says_so_in_one_line_and_returns_none(monkeypatch, caplog
 
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here, nothing left in the real cache
+    path = os.environ.get("PATH")
     fused_decode.fused_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="grpo_lightning.fused_decode"):
             assert fused_decode.fused_kernels() is None
     finally:
         fused_decode.fused_kernels.cache_clear()
+    assert os.environ.get("PATH") == path  # the venv's bin was on it for the build only
     [record] = caplog.records
     assert "Ninja is required" in record.getMessage() and "second line" not in record.getMessage()
     assert fused_decode.FUSED_DECODE_ENV in record.getMessage()
 
 
-def test_the_build_name_follows_the_cpu_and_the_source(monkeypatch):
+def test_the_build_name_follows_the_cpu(monkeypatch):
     here = fused_decode.extension_name()
     monkeypatch.setattr(fused_decode, "_read_cpuinfo", lambda: "model name\t: Other CPU\nflags\t\t: sse2 avx2\n")
     assert fused_decode.extension_name() != here  # -march=native code is not shared with another CPU
