@@ -94,7 +94,8 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) 
 
 # Environment variables that change which kernels the products run, recorded with every benchmark.
 KERNEL_SETTINGS_ENV = ("ATEN_CPU_CAPABILITY", *ONEDNN_ISA_ENV, "MKL_ENABLE_INSTRUCTIONS",
-                       "GRPO_LIGHTNING_DECODE_MATMUL", "GRPO_LIGHTNING_TRAIN_MATMUL", "GRPO_LIGHTNING_FUSED_DECODE")  # fmt: skip
+                       "GRPO_LIGHTNING_DECODE_MATMUL", "GRPO_LIGHTNING_TRAIN_MATMUL", "GRPO_LIGHTNING_FUSED_DECODE",
+                       "GRPO_LIGHTNING_FUSED_TRAINING")  # fmt: skip
 
 
 def kernel_settings() -> dict[str, str]:

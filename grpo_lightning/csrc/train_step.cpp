@@ -1,0 +1,203 @@
+// The learning step's elementwise work between its matrix products, forward and backward, each one pass over
+// its data where PyTorch's eager autograd makes several, and the transposes its weight gradients need
+// (grpo_lightning/fused_training.py). float32, rows of a contiguous last dimension.
+#include "kernels.h"
+
+#include <ATen/Parallel.h>
+
+namespace grpo_kernels {
+
+// x (rows, d), weight (d,) -> (weight * (x * r), r) with r = 1 / sqrt(mean(x^2) + eps) per row: the models' RMS norm,
+// and what its backward needs besides x.
+std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat, "x: contiguous (rows, d) float32");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == at::kFloat);
+  const int64_t rows = x.size(0), width = x.size(1);
+  auto out = torch::empty_like(x);
+  auto inverse_rms = torch::empty({rows}, x.options());
+  const float *in = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  float *o = out.data_ptr<float>(), *r_out = inverse_rms.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = in + i * width;
+      float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+      for (int64_t j = 0; j < width; ++j) squares += row[j] * row[j];
+      const float r = 1.f / std::sqrt(squares / static_cast<float>(width) + e);
+      r_out[i] = r;
+      float* out_row = o + i * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) out_row[j] = w[j] * (row[j] * r);
+    }
+  });
+  return {out, inverse_rms};
+}
+
+// The gradients of rms_norm_forward: with xh = x * r and g = grad_out * weight,
+// dx = r * (g - xh * sum(g * xh) / d) per row, and dweight = the sum over rows of grad_out * xh (accumulated in
+// float64 per thread, then summed; an empty tensor where weight_grad is false).
+std::tuple<torch::Tensor, torch::Tensor> rms_norm_backward(torch::Tensor grad_out, torch::Tensor x, torch::Tensor weight,
+                                                           torch::Tensor inverse_rms, bool weight_grad) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && grad_out.is_contiguous() && grad_out.sizes() == x.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat);
+  const int64_t rows = x.size(0), width = x.size(1);
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == width && weight.scalar_type() == at::kFloat);
+  TORCH_CHECK(inverse_rms.is_contiguous() && inverse_rms.numel() == rows && inverse_rms.scalar_type() == at::kFloat);
+  auto grad_x = torch::empty_like(x);
+  const int64_t threads = at::get_num_threads();
+  auto partial = torch::zeros({weight_grad ? threads : 0, width}, x.options().dtype(at::kDouble));
+  const float *dy = grad_out.data_ptr<float>(), *in = x.data_ptr<float>(), *w = weight.data_ptr<float>();
+  const float* r_in = inverse_rms.data_ptr<float>();
+  float* dx = grad_x.data_ptr<float>();
+  double* sums = weight_grad ? partial.data_ptr<double>() : nullptr;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    double* acc = sums ? sums + at::get_thread_num() * width : nullptr;
+    for (int64_t i = begin; i < end; ++i) {
+      const float *dy_row = dy + i * width, *row = in + i * width;
+      const float r = r_in[i];
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t j = 0; j < width; ++j) dot += dy_row[j] * w[j] * (row[j] * r);
+      const float mean_dot = dot / static_cast<float>(width);
+      float* dx_row = dx + i * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) dx_row[j] = r * (dy_row[j] * w[j] - (row[j] * r) * mean_dot);
+      if (acc) {
+#pragma omp simd
+        for (int64_t j = 0; j < width; ++j) acc[j] += static_cast<double>(dy_row[j] * (row[j] * r));
+      }
+    }
+  });
+  auto grad_weight = weight_grad ? partial.sum(0).to(at::kFloat) : torch::empty({0}, x.options());
+  return {grad_x, grad_weight};
+}
+
+// silu(gate) * up for gate, up (rows, f), each with rows of stride(1) == 1 -> (rows, f) contiguous.
+torch::Tensor silu_mul_forward(torch::Tensor gate, torch::Tensor up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1);
+  TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat);
+  const int64_t rows = gate.size(0), width = gate.size(1), gate_stride = gate.stride(0), up_stride = up.stride(0);
+  auto out = torch::empty({rows, width}, gate.options());
+  const float *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float *g_row = g + i * gate_stride, *u_row = u + i * up_stride;
+      float* o_row = o + i * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) o_row[j] = g_row[j] * u_row[j] / (1.f + exp_approx(-g_row[j]));
+    }
+  });
+  return out;
+}
+
+// The gradients of silu_mul_forward, (d gate, d up): with s = sigmoid(gate),
+// d up = grad_out * gate * s and d gate = grad_out * up * s * (1 + gate * (1 - s)).
+std::tuple<torch::Tensor, torch::Tensor> silu_mul_backward(torch::Tensor grad_out, torch::Tensor gate, torch::Tensor up) {
+  TORCH_CHECK(gate.dim() == 2 && gate.sizes() == up.sizes() && gate.stride(1) == 1 && up.stride(1) == 1);
+  TORCH_CHECK(grad_out.is_contiguous() && grad_out.sizes() == gate.sizes() && grad_out.scalar_type() == at::kFloat);
+  const int64_t rows = gate.size(0), width = gate.size(1), gate_stride = gate.stride(0), up_stride = up.stride(0);
+  auto grad_gate = torch::empty({rows, width}, gate.options());
+  auto grad_up = torch::empty({rows, width}, gate.options());
+  const float *dh = grad_out.data_ptr<float>(), *g = gate.data_ptr<float>(), *u = up.data_ptr<float>();
+  float *dg = grad_gate.data_ptr<float>(), *du = grad_up.data_ptr<float>();
+  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float *dh_row = dh + i * width, *g_row = g + i * gate_stride, *u_row = u + i * up_stride;
+      float *dg_row = dg + i * width, *du_row = du + i * width;
+#pragma omp simd
+      for (int64_t j = 0; j < width; ++j) {
+        const float s = 1.f / (1.f + exp_approx(-g_row[j]));
+        du_row[j] = dh_row[j] * (g_row[j] * s);
+        dg_row[j] = dh_row[j] * u_row[j] * (s * (1.f + g_row[j] * (1.f - s)));
+      }
+    }
+  });
+  return {grad_gate, grad_up};
+}
+
+// Per row of logits (N, V): the log-softmax at targets[i], and the row's log-sum-exp (what the backward needs).
+// Each row is read twice (its maximum, then the sum of exp of the shifted values), from cache the second time.
+std::tuple<torch::Tensor, torch::Tensor> pick_log_softmax_forward(torch::Tensor logits, torch::Tensor targets) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat, "logits: (N, V) float32");
+  TORCH_CHECK(targets.dim() == 1 && targets.size(0) == logits.size(0) && targets.scalar_type() == at::kLong);
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  auto picked = torch::empty({rows}, logits.options());
+  auto logsumexp = torch::empty({rows}, logits.options());
+  const auto targets_in = targets.contiguous();  // held: a temporary's pointer would dangle
+  const float* in = logits.data_ptr<float>();
+  const int64_t* target = targets_in.data_ptr<int64_t>();
+  float *p = picked.data_ptr<float>(), *lse = logsumexp.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = in + i * stride;
+      float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+      for (int64_t j = 0; j < vocab; ++j) top = std::max(top, row[j]);
+      if (std::isinf(top)) {  // as torch.logsumexp: +inf where a logit is +inf, -inf where all are -inf
+        lse[i] = top;
+      } else {
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < vocab; ++j) total += exp_approx(row[j] - top);
+        lse[i] = std::log(total) + top;  // NaN where a logit is NaN
+      }
+      const int64_t t = target[i];
+      TORCH_CHECK(t >= 0 && t < vocab, "target ", t, " outside the vocabulary of ", vocab);
+      p[i] = row[t] - lse[i];
+    }
+  });
+  return {picked, logsumexp};
+}
+
+// The gradient of pick_log_softmax_forward's first output with respect to the logits:
+// grad[i, j] = grad_out[i] * ([j == targets[i]] - exp(logits[i, j] - logsumexp[i])).
+torch::Tensor pick_log_softmax_backward(torch::Tensor grad_out, torch::Tensor logits, torch::Tensor targets,
+                                        torch::Tensor logsumexp) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat);
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  auto grad = torch::empty({rows, vocab}, logits.options());
+  TORCH_CHECK(grad_out.scalar_type() == at::kFloat && logsumexp.scalar_type() == at::kFloat);
+  const auto lse_in = logsumexp.contiguous(), grad_in = grad_out.contiguous(), targets_in = targets.contiguous();
+  const float *in = logits.data_ptr<float>(), *lse = lse_in.data_ptr<float>(), *g = grad_in.data_ptr<float>();
+  const int64_t* target = targets_in.data_ptr<int64_t>();
+  float* out = grad.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float *row = in + i * stride, shift = lse[i], minus_g = -g[i];
+      float* grad_row = out + i * vocab;
+#pragma omp simd
+      for (int64_t j = 0; j < vocab; ++j) grad_row[j] = minus_g * exp_approx(row[j] - shift);
+      grad_row[target[i]] += g[i];
+    }
+  });
+  return grad;
+}
+
+// x^T as a new contiguous tensor, for x (rows, cols) of any strides: tiles of 32 x 32, in parallel over the
+// output's rows (PyTorch's own copy of a transposed matrix runs on one thread).
+torch::Tensor transpose_copy(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: 2-D float32");
+  const int64_t rows = x.size(0), cols = x.size(1), row_stride = x.stride(0), col_stride = x.stride(1);
+  auto out = torch::empty({cols, rows}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  constexpr int64_t tile = 32;
+  at::parallel_for(0, (cols + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t j0 = block * tile, j1 = std::min(cols, j0 + tile);
+      for (int64_t i0 = 0; i0 < rows; i0 += tile) {
+        const int64_t i1 = std::min(rows, i0 + tile);
+        for (int64_t j = j0; j < j1; ++j) {
+          float* out_row = o + j * rows;
+          const float* column = in + j * col_stride;
+          for (int64_t i = i0; i < i1; ++i) out_row[i] = column[i * row_stride];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace grpo_kernels
