@@ -25,8 +25,8 @@ sampled from them is unchanged (the exact-distribution tests run either way).
 Python module.
 
 The extension is compiled once per machine, with ``-march=native``, by PyTorch's ``cpp_extension`` (a C++
-compiler and ninja, which the package depends on), the first time a float32 CPU rollout (not a bf16-mixed
-one) needs it (about 30 s; ``scripts/setup.sh`` builds it as part of the setup), and cached in PyTorch's extension directory
+compiler and ninja, which the package depends on), the first time a float32 CPU run (not a bf16-mixed one)
+needs it (about a minute; ``scripts/setup.sh`` builds it as part of the setup), and cached in PyTorch's extension directory
 (``$TORCH_EXTENSIONS_DIR``) under a name that includes the CPU's features. Where it cannot be built the
 decoder says so in one line and runs its PyTorch operations; ``GRPO_LIGHTNING_FUSED_DECODE=0`` turns the
 decode kernels off (``GRPO_LIGHTNING_FUSED_TRAINING=0`` the learning step's).
@@ -93,7 +93,7 @@ def compiled_kernels() -> ModuleType | None:
         name = extension_name()
         build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
         if not any(build_dir.glob(f"{name}*.so")):
-            print(f"grpo-lightning: building the fused CPU kernels once for this CPU (~30 s; cached in {build_dir})", flush=True)
+            print(f"grpo-lightning: building the fused CPU kernels once for this CPU (~1 min; cached in {build_dir})", flush=True)
         # ninja from the package's own environment, where it was installed with it, even if that is not on PATH;
         # the user's PATH is given back afterwards
         path = os.environ.get("PATH")

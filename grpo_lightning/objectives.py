@@ -96,9 +96,10 @@ def _logsumexp_rows(chunk: Tensor, in_place: bool) -> Tensor:
 
 def _fused_kernels_for(logits: Tensor):
     """The fused kernels where they compute this softmax: float32 logits on the CPU with rows of unit stride,
-    the kernels built and not turned off (``fused_training``); None otherwise. Their pass over each row takes a
-    learning step's seven passes over its (b * T, V) logits (max, shift, exp, sum; shift, exp, scale) to three,
-    to float rounding (their exp is within 2 ulp)."""
+    the kernels built and not turned off (``fused_training``); None otherwise. They read each (V,) row twice
+    forward (the second time from cache) and once backward, writing its gradient once, where the chunks
+    below make about a dozen passes (max, shift, exp, sum; shift, exp, scale, scatter); the values agree to
+    float rounding (their exp is within 2 ulp)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or type(logits) is not Tensor or logits.stride(-1) != 1:
         return None
     return fused_training_kernels()
