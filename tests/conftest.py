@@ -3,6 +3,7 @@ real loading path (``from_pretrained`` on a local directory) without any downloa
 
 from __future__ import annotations
 
+import shutil
 import sys
 
 import pytest
@@ -117,3 +118,19 @@ def write_jsonl(path, records: list[dict]) -> str:
     with open(path, "w", encoding="utf-8") as file:
         file.writelines(json.dumps(record) + "\n" for record in records)
     return str(path)
+
+
+def needs_a_compiler(without: str):
+    """Skip a module of fused-kernel tests where no C++ compiler can build the kernels; `without` says what runs then."""
+    return pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                              reason=f"no C++ compiler here: {without}")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The compiled fused kernels (decode and learning step), built once and cached."""
+    from grpo_lightning import fused_decode
+
+    built = fused_decode.compiled_kernels()
+    assert built is not None, "a C++ compiler is here, so the fused kernels must build (see the warning above)"
+    return built

@@ -7,25 +7,16 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 
 import pytest
 import torch
-from conftest import build_tiny_llama
+from conftest import build_tiny_llama, needs_a_compiler
 from test_fast_decode import build_tiny_qwen2, full_forward, left_padded_prompts
 
 from grpo_lightning import fast_decode, fused_decode, packed_linear
 from grpo_lightning.fast_decode import LeanDecoder
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="no C++ compiler here: the decoder runs its PyTorch operations")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    built = fused_decode.fused_kernels()
-    assert built is not None, "a C++ compiler is here, so the fused kernels must build (see the warning above)"
-    return built
+pytestmark = needs_a_compiler(without="the decoder runs its PyTorch operations")
 
 
 def reference_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

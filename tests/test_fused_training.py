@@ -5,11 +5,10 @@ biases, LoRA) against their eager layers, forward and backward, and where they m
 from __future__ import annotations
 
 import copy
-import shutil
 
 import pytest
 import torch
-from conftest import build_tiny_llama
+from conftest import build_tiny_llama, needs_a_compiler
 from test_fast_decode import build_tiny_qwen2
 
 from grpo_lightning import fused_decode, fused_training, training_products
@@ -17,15 +16,7 @@ from grpo_lightning.fused_training import FusedRMSNorm, FusedSiLUMul, use_fused_
 from grpo_lightning.lora import LoraSettings, apply_lora
 from grpo_lightning.objectives import generated_logprobs
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="no C++ compiler here: the learning step runs PyTorch's operations")
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    built = fused_decode.compiled_kernels()
-    assert built is not None, "a C++ compiler is here, so the fused kernels must build (see the warning above)"
-    return built
+pytestmark = needs_a_compiler(without="the learning step runs PyTorch's operations")
 
 
 def norm_and_grads_float64(x, weight, grad_out, eps):
