@@ -147,7 +147,10 @@ def test_edge_settings_are_accepted(kwargs):
 
 
 def _tok(vocab, bos=None, eos=None):
-    return SimpleNamespace(get_vocab=lambda: dict.fromkeys(vocab, 0), bos_token=bos, eos_token=eos)
+    # As Hugging Face tokenizers do: a token that is not in the vocabulary maps to the unknown token's id.
+    ids = {token: index for index, token in enumerate(["<unk>", *vocab])}
+    return SimpleNamespace(convert_tokens_to_ids=lambda token: ids.get(token, 0),
+                           convert_ids_to_tokens=lambda index: list(ids)[index], bos_token=bos, eos_token=eos)
 
 
 def test_start_token_gpt2_like():
@@ -179,3 +182,21 @@ def test_start_token_falls_back_to_bos_then_eos_then_empty():
     assert default_start_token(_tok(["x"], bos=None, eos="[EOS]")) == "[EOS]"
     assert default_start_token(_tok(["x"], bos="", eos="[EOS]")) == "[EOS]"
     assert default_start_token(_tok(["x"], bos=None, eos=None)) == ""
+
+
+def test_in_vocabulary_agrees_with_the_whole_vocabulary_on_a_real_tokenizer():
+    # Hugging Face's fast tokenizer: a token outside the vocabulary maps to None (no unknown token) or to
+    # the unknown token's id; an added token counts as in it.
+    from conftest import build_tokenizer
+
+    from grpo_lightning.sampling import in_vocabulary
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_tokens(["<|im_end|>"])
+    vocab = tokenizer.get_vocab()
+    candidates = ["<|endoftext|>", "<|im_end|>", "<s>", "<bos>", "<|begin_of_text|>", "Periods", "zzzzzz"]
+    assert [in_vocabulary(tokenizer, token) for token in candidates] == [token in vocab for token in candidates]
+    assert [token in vocab for token in candidates][:4] == [True, True, False, False]
+    tokenizer.add_special_tokens({"unk_token": "<unk>"})  # now a missing token maps to <unk>'s id
+    assert in_vocabulary(tokenizer, "<unk>") and not in_vocabulary(tokenizer, "<s>")
+    assert default_start_token(tokenizer) == "<|endoftext|>"
