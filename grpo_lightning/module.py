@@ -48,6 +48,7 @@ from .guards import NonFiniteSteps
 from .models import check_model_name
 from .objectives import calc_clipped_surrogate_objective, clip_fraction, generated_logprobs
 from .optim import get_optimizer_and_scheduler
+from .packed_linear import KeptLayout
 from .persistence import drop_frozen_keys, export_policy, forgive_missing_frozen_keys
 from .policy_models import PolicyModels
 from .phase_logging import PhaseTimer, RolloutRecord, perf_scalars, rollout_scalars, sample_table, write_histograms
@@ -264,6 +265,7 @@ class GRPOModule(PolicyModels, HeldOutEvaluation, L.LightningModule):
 
         self.policy: torch.nn.Module | None = None
         self.ref_model: torch.nn.Module | None = None
+        self.reference_layout = KeptLayout()  # the reference's products, laid out once (get_ref_logprobs)
         self.tokenizer = None
         self.memory: ReplayMemory | None = None
         self._shuffle_generator: torch.Generator | None = None

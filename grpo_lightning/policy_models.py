@@ -21,7 +21,7 @@ from .heldout import heldout_rows
 from .lora import apply_lora
 from .models import check_model_fits, load_causal_lm, load_model_config, load_tokenizer, resolve_model_path
 from .objectives import get_logprobs_batched
-from .packed_linear import decode_matmul_backend, prepared_linear_layers
+from .packed_linear import decode_matmul_backend
 from .rollout import prompt_text
 from .sampling import default_start_token, encode_prompt, stop_token_ids
 from .training_products import training_matmul_backend, use_training_products
@@ -108,7 +108,8 @@ class PolicyModels:
         reference = self.ref_model if self.lora is None else self.policy
         context = self.policy.disable_adapter() if self.lora is not None else contextlib.nullcontext()
         # Where oneDNN multiplies (packed_linear.py: its layout fits any row count): fp32 on the AMD Zen 4
-        # machine took 6-8 % off this pass on plain weights, and 7-9 % more laid out once; bf16 autocast too
-        with context, prepared_linear_layers(reference, rows=None):
+        # machine took 6-8 % off this pass on plain weights, and 7-9 % more laid out once; bf16 autocast too.
+        # The reference's weights are frozen: laid out at the first phase, kept for the next ones.
+        with context, self.reference_layout.prepared(reference, rows=None):
             chunk = self.phase_args.minibatch_size
             return get_logprobs_batched(reference, sample_ids, self.args.gen_len, chunk, attention_mask)
