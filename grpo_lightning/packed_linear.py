@@ -51,6 +51,7 @@ from .precision import cpu_info
 MIN_PACKED_WEIGHT = 64 * 64
 DECODE_MATMUL_ENV = "GRPO_LIGHTNING_DECODE_MATMUL"
 DECODE_MATMUL_BACKENDS = ("mkl", "onednn", "aten")
+KEEP_REFERENCE_LAYOUT_ENV = "GRPO_LIGHTNING_KEEP_REFERENCE_LAYOUT"  # see GRPOModule.keeps_reference_layout
 
 
 def _mkl_available() -> bool:

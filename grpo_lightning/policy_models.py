@@ -10,6 +10,7 @@ It reads the module's ``args``, ``lora``, ``reward``, ``prompts``, ``eval_prompt
 from __future__ import annotations
 
 import contextlib
+import os
 
 from torch import Tensor
 
@@ -21,7 +22,7 @@ from .heldout import heldout_rows
 from .lora import apply_lora
 from .models import check_model_fits, load_causal_lm, load_model_config, load_tokenizer, resolve_model_path
 from .objectives import get_logprobs_batched
-from .packed_linear import decode_matmul_backend
+from .packed_linear import KEEP_REFERENCE_LAYOUT_ENV, decode_matmul_backend, prepared_linear_layers
 from .rollout import prompt_text
 from .sampling import default_start_token, encode_prompt, stop_token_ids
 from .training_products import training_matmul_backend, use_training_products
@@ -109,7 +110,20 @@ class PolicyModels:
         context = self.policy.disable_adapter() if self.lora is not None else contextlib.nullcontext()
         # Where oneDNN multiplies (packed_linear.py: its layout fits any row count): fp32 on the AMD Zen 4
         # machine took 6-8 % off this pass on plain weights, and 7-9 % more laid out once; bf16 autocast too.
-        # The reference's weights are frozen: laid out at the first phase, kept for the next ones.
-        with context, self.reference_layout.prepared(reference, rows=None):
+        # The reference's weights are frozen: laid out at the first phase and kept (keeps_reference_layout).
+        if self.keeps_reference_layout():
+            products = self.reference_layout.prepared(reference, rows=None)
+        else:
+            self.reference_layout.clear()
+            products = prepared_linear_layers(reference, rows=None)
+        with context, products:
             chunk = self.phase_args.minibatch_size
             return get_logprobs_batched(reference, sample_ids, self.args.gen_len, chunk, attention_mask)
+
+    def keeps_reference_layout(self) -> bool:
+        """Whether the reference's prepared products are kept from one phase to the next (``KeptLayout``: one
+        layout per run instead of one per phase, for as much memory as its linear weights, held through the
+        learning phase too). By default yes, unless activation checkpointing is on: a run that trades compute
+        for memory. ``GRPO_LIGHTNING_KEEP_REFERENCE_LAYOUT=1`` or ``0`` chooses."""
+        chosen = os.environ.get(KEEP_REFERENCE_LAYOUT_ENV, "").strip()
+        return chosen != "0" if chosen else not self.activation_checkpointing

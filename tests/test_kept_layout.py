@@ -122,12 +122,22 @@ def test_lora_base_layers_are_kept_and_merged_weights_are_not(layouts):
     assert len(layouts) == 4 * base_layers
 
 
-def test_a_run_lays_the_reference_out_once_and_its_log_probs_stay_the_references(layouts, tiny_model_dir, tmp_path):
+@pytest.mark.parametrize(
+    "environment, activation_checkpointing, kept",
+    [(None, False, True), ("0", False, False), (None, True, False), ("1", True, True)],
+    ids=["default", "turned-off", "checkpointing-saves-memory", "checkpointing-but-asked"],
+)
+def test_a_run_lays_the_reference_out_once_and_its_log_probs_stay_the_references(
+    layouts, tiny_model_dir, tmp_path, monkeypatch, environment, activation_checkpointing, kept
+):
     from test_module import make_module, make_trainer
 
     from grpo_lightning.objectives import generated_logprobs
 
-    module = make_module(tiny_model_dir, total_phases=3)
+    if environment is not None:
+        monkeypatch.setenv(packed_linear.KEEP_REFERENCE_LAYOUT_ENV, environment)
+    module = make_module(tiny_model_dir, total_phases=3, activation_checkpointing=activation_checkpointing)
+    assert module.keeps_reference_layout() is kept
     module.configure_model()
     reference_weights = {p.data_ptr() for p in module.ref_model.parameters()}
     laid_out = []  # per phase: the reference's weights laid out in it
@@ -156,7 +166,8 @@ def test_a_run_lays_the_reference_out_once_and_its_log_probs_stay_the_references
         trainer = make_trainer(tmp_path, total_phases=3)
         trainer.callbacks.append(Recorder())
         trainer.fit(module)
-    assert laid_out == [2 * 7 + 1, 0, 0]  # the first phase only: the reference's weights do not change
-    assert module.reference_layout.holds_layout
+    # Kept: laid out in the first phase only (the reference's weights do not change); else in every phase.
+    assert laid_out == ([2 * 7 + 1, 0, 0] if kept else [2 * 7 + 1] * 3)
+    assert module.reference_layout.holds_layout is kept
     for in_memory, plain in plain_log_probs:
         torch.testing.assert_close(in_memory, plain, rtol=0, atol=1e-5)
