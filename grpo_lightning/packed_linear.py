@@ -293,6 +293,11 @@ class KeptLayout:
     def clear(self) -> None:
         self._key, self._forwards, self._weights = None, [], []
 
+    def __getstate__(self) -> dict:
+        # A pickled or copied module (ddp_spawn sends it to each process) takes no layout along: the products
+        # are closures, and a layout is only worth its memory in the process that made it. The copy lays out anew.
+        return {"_key": None, "_forwards": [], "_weights": []}
+
 
 def _layout_key(model: torch.nn.Module, maps, rows: int | None, setting) -> tuple | None:
     """What a kept layout depends on: the setting, ``rows`` and, per module, its weight and bias tensors (which

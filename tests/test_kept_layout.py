@@ -171,3 +171,21 @@ def test_a_run_lays_the_reference_out_once_and_its_log_probs_stay_the_references
     assert module.reference_layout.holds_layout is kept
     for in_memory, plain in plain_log_probs:
         torch.testing.assert_close(in_memory, plain, rtol=0, atol=1e-5)
+
+
+@torch.no_grad()
+def test_a_pickled_or_copied_layout_holds_nothing_and_lays_out_anew(layouts):
+    import copy
+    import pickle
+
+    model = build_tiny_llama(vocab_size=300, seed=3).requires_grad_(False)
+    ids = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(3))
+    kept = KeptLayout()
+    with kept.prepared(model):
+        expected = reference_pass(model, ids)
+    assert kept.holds_layout
+    for other in (pickle.loads(pickle.dumps(kept)), copy.deepcopy(kept)):
+        assert not other.holds_layout
+        with other.prepared(model):
+            torch.testing.assert_close(reference_pass(model, ids), expected, rtol=0, atol=0)
+    assert kept.holds_layout and len(layouts) == 3 * (2 * 7 + 1)
