@@ -181,8 +181,8 @@ def prepared_product(modules: Sequence[torch.nn.Module], rows: int | None) -> Ca
     where the weights are small (below ``MIN_PACKED_WEIGHT`` in all) or where a module is more than a linear
     map (``_linear_weight``): the caller then runs the modules themselves. A product computes with the weights
     as they were when it was prepared: prepare it again after they change (an optimizer step)."""
-    setting = product_setting(modules[0]) if modules else None
-    if setting is None or (rows is None and setting[0] == "mkl"):
+    setting = _setting_for(modules[0], rows) if modules else None
+    if setting is None:
         return None
     weights = [_linear_weight(module, setting[1]) for module in modules]
     if any(pair is None for pair in weights) or sum(w.numel() for w, _ in weights) < MIN_PACKED_WEIGHT:
@@ -207,13 +207,19 @@ def prepared_linear_layers(model: torch.nn.Module, rows: int | None):
     adapters' small delta away: there its base layer and its A and B are prepared each; with its adapters off,
     as its base layer's. Laying the weights out takes one pass over them and as much memory again as the
     linear weights; both are freed at the end."""
-    setting = product_setting(model)
-    # rows=None: passes of varying row counts (the reference's), which MKL's packing cannot serve.
-    if setting is None or (rows is None and setting[0] == "mkl"):
+    setting = _setting_for(model, rows)
+    if setting is None:
         yield
         return
     with _installed(_prepared_forwards(_linear_maps(model, setting[1]), rows, setting)):
         yield
+
+
+def _setting_for(model: torch.nn.Module, rows: int | None) -> tuple[str, torch.dtype] | None:
+    """``product_setting(model)``, or None where it cannot serve ``rows``: None rows (passes of varying row
+    counts, the reference's) are beyond MKL's packing, which fits one row count."""
+    setting = product_setting(model)
+    return None if setting is None or (rows is None and setting[0] == "mkl") else setting
 
 
 def _linear_maps(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[torch.nn.Module, Tensor, Tensor | None]]:
@@ -265,8 +271,8 @@ class KeptLayout:
 
     @contextlib.contextmanager
     def prepared(self, model: torch.nn.Module, rows: int | None = None):
-        setting = product_setting(model)
-        if setting is None or (rows is None and setting[0] == "mkl"):
+        setting = _setting_for(model, rows)
+        if setting is None:
             self.clear()
             yield
             return

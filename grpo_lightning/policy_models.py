@@ -17,6 +17,7 @@ from torch import Tensor
 from rewards.base import prepare_reward
 
 from .activation_checkpointing import enable_activation_checkpointing
+from .fused_decode import switched_on
 from .fused_training import use_fused_layers
 from .heldout import heldout_rows
 from .lora import apply_lora
@@ -124,6 +125,7 @@ class PolicyModels:
         """Whether the reference's prepared products are kept from one phase to the next (``KeptLayout``: one
         layout per run instead of one per phase, for as much memory as its linear weights, held through the
         learning phase too). By default yes, unless activation checkpointing is on: a run that trades compute
-        for memory. ``GRPO_LIGHTNING_KEEP_REFERENCE_LAYOUT=1`` or ``0`` chooses."""
-        chosen = os.environ.get(KEEP_REFERENCE_LAYOUT_ENV, "").strip()
-        return chosen != "0" if chosen else not self.activation_checkpointing
+        for memory. ``GRPO_LIGHTNING_KEEP_REFERENCE_LAYOUT=1`` or ``0`` chooses, as the other switches do."""
+        if os.environ.get(KEEP_REFERENCE_LAYOUT_ENV, "").strip():  # 0, false, no or off: not kept
+            return switched_on(KEEP_REFERENCE_LAYOUT_ENV)
+        return not self.activation_checkpointing

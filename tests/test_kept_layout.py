@@ -189,3 +189,15 @@ def test_a_pickled_or_copied_layout_holds_nothing_and_lays_out_anew(layouts):
         with other.prepared(model):
             torch.testing.assert_close(reference_pass(model, ids), expected, rtol=0, atol=0)
     assert kept.holds_layout and len(layouts) == 3 * (2 * 7 + 1)
+
+
+@pytest.mark.parametrize(
+    "value, activation_checkpointing, kept",
+    [("false", False, False), ("off", False, False), ("no", False, False), ("true", True, True), ("", True, False),
+     ("", False, True)],
+)
+def test_the_switch_reads_as_the_other_switches_do(tiny_model_dir, monkeypatch, value, activation_checkpointing, kept):
+    from test_module import make_module
+
+    monkeypatch.setenv(packed_linear.KEEP_REFERENCE_LAYOUT_ENV, value)
+    assert make_module(tiny_model_dir, activation_checkpointing=activation_checkpointing).keeps_reference_layout() is kept
