@@ -14,7 +14,8 @@ from test_fast_decode import build_tiny_qwen2
 from grpo_lightning import fused_decode, fused_training, training_products
 from grpo_lightning.fused_training import FusedRMSNorm, FusedSiLUMul, use_fused_layers
 from grpo_lightning.lora import LoraSettings, apply_lora
-from grpo_lightning.objectives import generated_logprobs
+from grpo_lightning import objectives
+from grpo_lightning.objectives import generated_logprobs, selective_log_softmax
 
 pytestmark = needs_a_compiler(without="the learning step runs PyTorch's operations")
 
@@ -131,9 +132,15 @@ def test_pick_log_softmax_follows_torch_at_infinities_and_nan(kernels):
     torch.testing.assert_close(picked, expected, rtol=0, atol=0, equal_nan=True)
 
 
-def test_pick_log_softmax_refuses_a_target_outside_the_vocabulary(kernels):
-    with pytest.raises(RuntimeError, match="target 50 outside the vocabulary of 50"):
-        kernels.pick_log_softmax_forward(torch.zeros(2, 50), torch.tensor([3, 50]))
+@pytest.mark.parametrize("bad", [50, -1])
+def test_a_target_outside_the_vocabulary_is_refused_before_the_kernel_reads_it(kernels, monkeypatch, bad):
+    # Refused in Python: an error thrown inside the extension crashed the process on a GPU host (torch 2.11).
+    calls = []
+    monkeypatch.setattr(objectives, "_fused_kernels_for", lambda logits: calls.append(1) or kernels)
+    monkeypatch.setattr(kernels, "pick_log_softmax_forward", lambda *args: pytest.fail("the kernel ran"), raising=False)
+    with pytest.raises(RuntimeError, match=f"target {bad} outside the vocabulary of 50"):
+        selective_log_softmax(torch.zeros(2, 50), torch.tensor([3, bad]))
+    assert calls == [1]  # the fused path was the one taken
 
 
 def test_the_autograd_functions_match_the_eager_formulas(kernels):

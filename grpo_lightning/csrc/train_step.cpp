@@ -129,6 +129,10 @@ std::tuple<torch::Tensor, torch::Tensor> pick_log_softmax_forward(torch::Tensor 
   const float* in = logits.data_ptr<float>();
   const int64_t* target = targets_in.data_ptr<int64_t>();
   float *p = picked.data_ptr<float>(), *lse = logsumexp.data_ptr<float>();
+  // A backstop, checked before the threads start: objectives._check_targets_fit refuses such targets first,
+  // since an error thrown from this extension crashed the process on one GPU host (torch 2.11).
+  for (int64_t i = 0; i < rows; ++i)
+    TORCH_CHECK(target[i] >= 0 && target[i] < vocab, "target ", target[i], " outside the vocabulary of ", vocab);
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* row = in + i * stride;
@@ -143,9 +147,7 @@ std::tuple<torch::Tensor, torch::Tensor> pick_log_softmax_forward(torch::Tensor 
         for (int64_t j = 0; j < vocab; ++j) total += exp_approx(row[j] - top);
         lse[i] = std::log(total) + top;  // NaN where a logit is NaN
       }
-      const int64_t t = target[i];
-      TORCH_CHECK(t >= 0 && t < vocab, "target ", t, " outside the vocabulary of ", vocab);
-      p[i] = row[t] - lse[i];
+      p[i] = row[target[i]] - lse[i];
     }
   });
   return {picked, logsumexp};
