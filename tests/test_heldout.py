@@ -64,7 +64,9 @@ def write_config(path, model_dir: str, root, **model) -> str:
         "kl_coef": 0.0, "samples_shown": 2,
         **model,
     }  # fmt: skip
-    trainer = {"precision": "32-true", "default_root_dir": str(root), "enable_progress_bar": False}
+    # On the CPU everywhere: the checks below count on the CPU's sampled stream moving the greedy answers (on
+    # an H200 the fp32 run's stream left them where they were).
+    trainer = {"accelerator": "cpu", "precision": "32-true", "default_root_dir": str(root), "enable_progress_bar": False}
     path.write_text(yaml.safe_dump({"model": settings, "trainer": trainer}))
     return str(path)
 
