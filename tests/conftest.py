@@ -3,6 +3,7 @@ real loading path (``from_pretrained`` on a local directory) without any downloa
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 
@@ -16,6 +17,15 @@ CORPUS = [
     "I thought this movie was great, truly great!",
     "Periods end sentences. Commas pause them, and so on.",
 ]
+
+
+def repo_first_on_path() -> str:
+    """PYTHONPATH for a subprocess: this checkout first, then whatever the caller's PYTHONPATH held (where
+    the dependencies may live, as on a machine that installs them by path)."""
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    return os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
 
 
 def build_tokenizer():

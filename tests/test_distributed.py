@@ -33,6 +33,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from conftest import repo_first_on_path
 
 from grpo_lightning import GRPOModule, cli, load_causal_lm, memory, policy_models, rollout_phase
 from grpo_lightning.checkpointing import find_last_checkpoint
@@ -72,7 +73,7 @@ def fit_args(model_dir: str, prompts: Path, root: Path, **overrides) -> list[str
 
 def run_ddp(args: list[str], record: Path) -> str:
     """Runs the 2-process fit through tests/ddp_fit.py, which must succeed; returns its output."""
-    environment = {**os.environ, "GRPO_RECORD": str(record), "PYTHONPATH": str(REPO)}
+    environment = {**os.environ, "GRPO_RECORD": str(record), "PYTHONPATH": repo_first_on_path()}
     done = subprocess.run([sys.executable, str(DRIVER), *args], cwd=REPO, env=environment, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
     output = done.stdout + done.stderr

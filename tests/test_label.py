@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import refuse_model_loading
+from conftest import refuse_model_loading, repo_first_on_path
 from grpo_lightning import label
 from grpo_lightning.models import load_causal_lm, load_tokenizer
 from grpo_lightning.preferences import read_preferences
@@ -37,7 +37,7 @@ class Terminal:
             # of a script (which ignores SIGINT; an ignored signal stays ignored across exec, and Python then
             # installs no KeyboardInterrupt handler).
             signal.signal(signal.SIGINT, signal.SIG_DFL)
-            env = dict(os.environ, COLUMNS="120", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+            env = dict(os.environ, COLUMNS="120", OMP_NUM_THREADS="1", PYTHONPATH=repo_first_on_path())
             os.chdir(REPO)
             os.execvpe(sys.executable, [sys.executable, "-m", "grpo_lightning", "label", *args], env)
         self.pid, self.fd, self.screen, self.answered = pid, fd, "", 0
