@@ -81,7 +81,8 @@ def summarise(per_phase: dict[str, list[float]], warmup: int = 1) -> dict[str, f
 def run_layout(opts, layout: str, prompts: Path, work: Path) -> dict:
     _, threads = LAYOUTS[layout]
     root = work / layout.replace(" ", "")
-    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the checkout first, then the caller's
+    environment = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": path}
     start = time.perf_counter()
     done = subprocess.run(fit_command(opts, layout, prompts, root), cwd=REPO, env=environment, capture_output=True,
                           text=True)  # fmt: skip

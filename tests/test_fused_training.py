@@ -11,10 +11,9 @@ import torch
 from conftest import build_tiny_llama, needs_a_compiler
 from test_fast_decode import build_tiny_qwen2
 
-from grpo_lightning import fused_decode, fused_training, training_products
+from grpo_lightning import fused_decode, fused_training, objectives, training_products
 from grpo_lightning.fused_training import FusedRMSNorm, FusedSiLUMul, use_fused_layers
 from grpo_lightning.lora import LoraSettings, apply_lora
-from grpo_lightning import objectives
 from grpo_lightning.objectives import generated_logprobs, selective_log_softmax
 
 pytestmark = needs_a_compiler(without="the learning step runs PyTorch's operations")
