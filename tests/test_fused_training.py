@@ -87,7 +87,11 @@ def test_silu_mul_reads_strided_rows_and_passes_nan_on(kernels):
     assert out[2, 5].isnan() and grad_gate[2, 5].isnan() and grad_up[2, 5].isnan()
 
 
-@pytest.mark.parametrize("shape", [(5, 7), (64, 96), (1, 33), (33, 1), (0, 4), (70, 45)])
+# Shapes around the register blocks (8 or 16) and the 64 x 64 tiles, so that every edge case of the blocked path
+# (columns past the last block, rows past it, both, a single partial tile) is read.
+@pytest.mark.parametrize(
+    "shape", [(5, 7), (64, 96), (1, 33), (33, 1), (0, 4), (70, 45), (63, 65), (129, 127), (17, 300), (300, 17), (16, 8)]
+)
 def test_transpose_copy_is_the_transpose_exactly(kernels, shape):
     x = torch.randn(shape)
     assert torch.equal(kernels.transpose_copy(x), x.t().contiguous())
@@ -96,7 +100,7 @@ def test_transpose_copy_is_the_transpose_exactly(kernels, shape):
 
 def test_transpose_copy_reads_any_strides(kernels):
     base = torch.randn(100, 70)
-    for view in (base[:, 3:50], base.t(), base[::3, ::2]):
+    for view in (base[:, 3:50], base[1:, 5:], base[7:90, 2:69], base.t(), base[::3, ::2]):
         assert torch.equal(kernels.transpose_copy(view), view.t().contiguous())
 
 

@@ -4,6 +4,7 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 namespace grpo_kernels {
 
@@ -177,24 +178,97 @@ torch::Tensor pick_log_softmax_backward(torch::Tensor grad_out, torch::Tensor lo
   return grad;
 }
 
-// x^T as a new contiguous tensor, for x (rows, cols) of any strides: tiles of 32 x 32, in parallel over the
-// output's rows (PyTorch's own copy of a transposed matrix runs on one thread).
+// x^T as a new contiguous tensor, for x (rows, cols) of any strides, in parallel over the output's rows
+// (PyTorch's own copy of a transposed matrix runs on one thread). Where x's rows have unit stride, blocks of
+// 16 x 16 (AVX-512) or 8 x 8 (AVX2) are transposed in registers, inside tiles of 64 x 64 that stay in the
+// L1 cache, and the tiles' edges element by element. Otherwise (other strides, or a CPU without AVX2) it is
+// element by element in tiles of 32 x 32, which measured faster than 64 x 64 for that loop.
+namespace {
+
+constexpr int64_t kBlockTile = 64, kElementTile = 32;
+
+#if defined(__AVX512F__)
+constexpr int64_t kBlock = 16;
+// out[j * out_stride + i] = in[i * in_stride + j] for i, j < 16.
+inline void transpose_block(const float* in, int64_t in_stride, float* out, int64_t out_stride) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * in_stride);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    r[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+    r[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+  for (int k = 0; k < 16; ++k) _mm512_storeu_ps(out + k * out_stride, r[k]);  // r[k]: the block's column k
+}
+#elif defined(__AVX2__)
+constexpr int64_t kBlock = 8;
+inline void transpose_block(const float* in, int64_t in_stride, float* out, int64_t out_stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(in + i * in_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  // r[0..3]: columns 0, 1, 2, 3 of rows 0-3 (low half) and 4-7 (high half of r[4..7]).
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(out + i * out_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * out_stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+#else
+constexpr int64_t kBlock = 0;
+inline void transpose_block(const float*, int64_t, float*, int64_t) {}
+#endif
+
+}  // namespace
+
 torch::Tensor transpose_copy(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x: 2-D float32");
   const int64_t rows = x.size(0), cols = x.size(1), row_stride = x.stride(0), col_stride = x.stride(1);
   auto out = torch::empty({cols, rows}, x.options());
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  constexpr int64_t tile = 32;
+  const bool blocks = kBlock > 0 && col_stride == 1;
+  const int64_t tile = blocks ? kBlockTile : kElementTile;
   at::parallel_for(0, (cols + tile - 1) / tile, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t block = begin; block < end; ++block) {
-      const int64_t j0 = block * tile, j1 = std::min(cols, j0 + tile);
+    for (int64_t tile_j = begin; tile_j < end; ++tile_j) {
+      const int64_t j0 = tile_j * tile, j1 = std::min(cols, j0 + tile);
       for (int64_t i0 = 0; i0 < rows; i0 += tile) {
         const int64_t i1 = std::min(rows, i0 + tile);
-        for (int64_t j = j0; j < j1; ++j) {
+        int64_t i_done = i0, j_done = j0;  // the part done by blocks: [i0, i_done) x [j0, j_done)
+        if (blocks) {
+          i_done = i0 + (i1 - i0) / std::max<int64_t>(kBlock, 1) * kBlock;
+          j_done = j0 + (j1 - j0) / std::max<int64_t>(kBlock, 1) * kBlock;
+          for (int64_t j = j0; j < j_done; j += kBlock)
+            for (int64_t i = i0; i < i_done; i += kBlock) transpose_block(in + i * row_stride + j, row_stride, o + j * rows + i, rows);
+        }
+        for (int64_t j = j0; j < j1; ++j) {  // the edges: columns past the blocks, then rows past them
           float* out_row = o + j * rows;
           const float* column = in + j * col_stride;
-          for (int64_t i = i0; i < i1; ++i) out_row[i] = column[i * row_stride];
+          for (int64_t i = (j < j_done ? i_done : i0); i < i1; ++i) out_row[i] = column[i * row_stride];
         }
       }
     }
