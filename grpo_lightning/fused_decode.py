@@ -24,7 +24,8 @@ sampled from them is unchanged (the exact-distribution tests run either way).
 ``csrc/train_step.cpp`` holds the learning step's (``fused_training``); ``csrc/bindings.cpp`` makes them one
 Python module.
 
-The extension is compiled once per machine, with ``-march=native``, by PyTorch's ``cpp_extension`` (a C++
+The extension is compiled once per machine, with ``-march=native`` (less AVX-512, or AVX2 too, where
+``$ATEN_CPU_CAPABILITY`` holds PyTorch to avx2 or default), by PyTorch's ``cpp_extension`` (a C++
 compiler and ninja, which the package depends on), the first time a float32 CPU run (not a bf16-mixed one)
 needs it (about a minute; ``scripts/setup.sh`` builds it as part of the setup), and cached in PyTorch's extension directory
 (``$TORCH_EXTENSIONS_DIR``) under a name that includes the CPU's features. Where it cannot be built the
@@ -56,6 +57,15 @@ HEADERS = [CSRC / "kernels.h"]
 # -fno-trapping-math: lets GCC vectorize floor() (in exp); -fno-math-errno: sqrt without the errno branch.
 # -fopenmp at compile time only, for the `omp simd` loops: threads come from PyTorch's own pool (at::parallel_for).
 COMPILE_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp"]
+# $ATEN_CPU_CAPABILITY holds PyTorch's own kernels to an older instruction set than the CPU has (to reproduce a
+# CPU without AVX-512 on one with it); these kernels are held alike, so that such a run is that CPU's code.
+HELD_ISA_FLAGS = {"avx2": ["-mno-avx512f"], "default": ["-mno-avx512f", "-mno-avx2", "-mno-fma"]}
+
+
+def compile_flags() -> list[str]:
+    """COMPILE_FLAGS, less the instruction sets that ``$ATEN_CPU_CAPABILITY`` keeps PyTorch from using."""
+    held = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    return COMPILE_FLAGS + HELD_ISA_FLAGS.get(held, [])
 
 
 def switched_on(variable: str) -> bool:
@@ -73,7 +83,7 @@ def extension_name() -> str:
     ``-march=native`` code may not run on another CPU that shares the cache directory."""
     model, flags = parse_cpuinfo(_read_cpuinfo())  # every flag: -march=native compiles for all of them
     texts = [path.read_text() for path in SOURCES + HEADERS]
-    key = "\n".join([*texts, " ".join(COMPILE_FLAGS), model or "", " ".join(sorted(flags)), torch.__version__])
+    key = "\n".join([*texts, " ".join(compile_flags()), model or "", " ".join(sorted(flags)), torch.__version__])
     return "grpo_lightning_kernels_" + hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
@@ -99,7 +109,7 @@ def compiled_kernels() -> ModuleType | None:
         path = os.environ.get("PATH")
         os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), path or ""])
         try:
-            return cpp_extension.load(name, sources=[str(path) for path in SOURCES], extra_cflags=COMPILE_FLAGS,
+            return cpp_extension.load(name, sources=[str(path) for path in SOURCES], extra_cflags=compile_flags(),
                                       extra_include_paths=[str(CSRC)], verbose=False)
         finally:
             if path is None:

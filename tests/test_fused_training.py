@@ -104,6 +104,39 @@ def test_transpose_copy_reads_any_strides(kernels):
         assert torch.equal(kernels.transpose_copy(view), view.t().contiguous())
 
 
+def test_the_kernels_follow_pytorchs_instruction_set_hold(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert fused_decode.compile_flags() == fused_decode.COMPILE_FLAGS
+    native = fused_decode.extension_name()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    assert fused_decode.compile_flags() == [*fused_decode.COMPILE_FLAGS, "-mno-avx512f"]
+    assert fused_decode.extension_name() != native  # a held build is cached apart from the native one
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert fused_decode.compile_flags()[-3:] == ["-mno-avx512f", "-mno-avx2", "-mno-fma"]
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx512")  # no hold below what -march=native gives
+    assert fused_decode.compile_flags() == fused_decode.COMPILE_FLAGS
+
+
+def test_kernels_held_to_avx2_transpose_exactly(monkeypatch):
+    """On an AVX-512 CPU the native build transposes in 16 x 16 blocks; held to AVX2 (as on a CPU without
+    AVX-512) it takes the 8 x 8 blocks, which this reads on the same shapes."""
+    flags = fused_decode.parse_cpuinfo(fused_decode._read_cpuinfo())[1]
+    if not {"avx512f", "avx2"} <= flags:
+        pytest.skip("the native build is already the AVX2 (or element-loop) one here")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    fused_decode.compiled_kernels.cache_clear()
+    try:
+        held = fused_decode.compiled_kernels()
+    finally:
+        fused_decode.compiled_kernels.cache_clear()  # the next user gets the native build again
+    assert held is not None
+    for shape in [(16, 8), (63, 65), (129, 127), (17, 300), (8, 8), (7, 9)]:
+        x = torch.randn(shape)
+        assert torch.equal(held.transpose_copy(x), x.t().contiguous()), shape
+    base = torch.randn(100, 70)
+    assert torch.equal(held.transpose_copy(base[1:, 5:]), base[1:, 5:].t().contiguous())
+
+
 def test_pick_log_softmax_gives_the_log_probabilities_and_their_gradient(kernels):
     generator = torch.Generator().manual_seed(8)
     buffer = torch.randn(6, 1030, generator=generator) * 8

@@ -4,7 +4,9 @@
 #include "kernels.h"
 
 #include <ATen/Parallel.h>
+#if defined(__AVX2__)  // x86 only: other CPUs (ARM) have no such header, and take the element loop
 #include <immintrin.h>
+#endif
 
 namespace grpo_kernels {
 
