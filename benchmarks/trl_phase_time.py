@@ -7,8 +7,9 @@ Usage:
                                                       [--lora] [--out results.json]
 
 TRL is not a dependency of grpo-lightning: setup_trl.sh builds a separate venv (.venv-trl) with the project, TRL
-1.16.0 and the same torch (2.13.0, CPU) and transformers (5.24.0) as the project's venv. The mapping below was
-checked against that TRL's source (trl/trainer/grpo_config.py and grpo_trainer.py).
+1.16.0 and the same torch (2.13.0, CPU), transformers and peft as the project's venv (transformers 5.24.0 and
+5.25.0 have been measured). The mapping below was checked against that TRL's source (trl/trainer/grpo_config.py
+and grpo_trainer.py).
 
 What is measured
 ----------------
