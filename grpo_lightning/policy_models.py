@@ -54,6 +54,9 @@ class PolicyModels:
         if self.lora is not None:
             # The reference is this same network with its adapters disabled: no second copy.
             self.policy = apply_lora(self.policy, self.lora, seed=self.args.seed)
+            from .lora_products import use_lora_products  # imports peft, which only LoRA runs need
+
+            use_lora_products(self.policy)  # the adapters' update added in place, forward and backward
         elif self.uses_reference:
             reference = load_causal_lm(self.args.base_model, attention, self.trust_remote_code)
             self.ref_model = reference.requires_grad_(False)
