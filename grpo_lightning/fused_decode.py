@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 FUSED_DECODE_ENV = "GRPO_LIGHTNING_FUSED_DECODE"
 FUSED_TRAINING_ENV = "GRPO_LIGHTNING_FUSED_TRAINING"
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "decode_step.cpp", CSRC / "train_step.cpp", CSRC / "bindings.cpp"]
+SOURCES = [CSRC / "decode_step.cpp", CSRC / "train_step.cpp", CSRC / "train_attention.cpp", CSRC / "bindings.cpp"]
 HEADERS = [CSRC / "kernels.h"]
 # -fno-trapping-math: lets GCC vectorize floor() (in exp); -fno-math-errno: sqrt without the errno branch.
 # -fopenmp at compile time only, for the `omp simd` loops: threads come from PyTorch's own pool (at::parallel_for).

@@ -202,9 +202,16 @@ def generated_logprobs(
     if attention_mask is not None:
         position_ids = (attention_mask[:, :-1].long().cumsum(-1) - 1).clamp(min=0)
         padding = {"attention_mask": attention_mask[:, :-1], "position_ids": position_ids}
-    logits = model(input_ids=run, logits_to_keep=predicting, **padding).logits  # (b, T, V)
+    logits = model(input_ids=run, logits_to_keep=predicting, **padding, **_without_cache(model)).logits  # (b, T, V)
     b, T, V = logits.shape
     return selective_log_softmax(logits.reshape(b * T, V), targets.reshape(b * T)).view(b, T)
+
+
+def _without_cache(model: torch.nn.Module) -> dict:
+    """``use_cache=False`` for a model whose config has a key/value cache (Hugging Face's): a pass that ends here
+    needs none, and the fused attention of ``grpo_lightning.fused_attention`` runs only where there is none. Nothing
+    for other models, whose forward may not take the argument."""
+    return {"use_cache": False} if hasattr(getattr(model, "config", None), "use_cache") else {}
 
 
 @torch.no_grad()

@@ -18,6 +18,7 @@ from rewards.base import prepare_reward
 
 from .activation_checkpointing import enable_activation_checkpointing
 from .fused_decode import switched_on
+from .fused_attention import use_fused_attention
 from .fused_training import use_fused_layers
 from .heldout import heldout_rows
 from .lora import apply_lora
@@ -63,9 +64,10 @@ class PolicyModels:
         if self.activation_checkpointing:
             enable_activation_checkpointing(self.policy)
         use_training_products(self.policy)  # the learning step's fp32 products through oneDNN where faster
-        for model in (self.policy, self.ref_model):  # norms and gated MLPs as fused kernels, forward and backward
+        for model in (self.policy, self.ref_model):  # norms, gated MLPs and attention as fused kernels, forward and backward
             if model is not None:
                 use_fused_layers(model)
+                use_fused_attention(model)
 
     def check_inputs(self) -> None:
         """Loads the tokenizer (once) and, before any weights load, refuses a tokenizer that does not fit

@@ -13,4 +13,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pick_log_softmax_forward", &pick_log_softmax_forward);
   m.def("pick_log_softmax_backward", &pick_log_softmax_backward);
   m.def("transpose_copy", &transpose_copy);
+  m.def("causal_attention_forward", &causal_attention_forward);
+  m.def("causal_attention_backward", &causal_attention_backward);
 }

@@ -50,4 +50,12 @@ torch::Tensor pick_log_softmax_backward(torch::Tensor grad_out, torch::Tensor lo
                                         torch::Tensor logsumexp);
 torch::Tensor transpose_copy(torch::Tensor x);
 
+// train_attention.cpp: the learning step's causal self-attention with its rotary embedding, forward and backward
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor> causal_attention_forward(
+    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin, torch::Tensor mask,
+    int64_t heads, int64_t kv_heads, double scaling);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> causal_attention_backward(
+    torch::Tensor grad_out, torch::Tensor probs, torch::Tensor q_rot, torch::Tensor k_rot, torch::Tensor v,
+    torch::Tensor cos, torch::Tensor sin, int64_t heads, int64_t kv_heads, double scaling);
+
 }  // namespace grpo_kernels
