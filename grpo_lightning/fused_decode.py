@@ -21,8 +21,9 @@ Their ``exp`` is a polynomial within 2 ulp of ``std::exp`` (PyTorch's vectorized
 within 1 ulp), so logits agree with the PyTorch path to float rounding, as any two kernels do; what is
 sampled from them is unchanged (the exact-distribution tests run either way).
 
-``csrc/train_step.cpp`` holds the learning step's (``fused_training``); ``csrc/bindings.cpp`` makes them one
-Python module.
+``csrc/train_step.cpp`` holds the learning step's norms, gated activations, log-softmax and transposes
+(``fused_training``) and ``csrc/train_attention.cpp`` its attention (``fused_attention``); ``csrc/bindings.cpp``
+makes them one Python module.
 
 The extension is compiled once per machine, with ``-march=native`` (less AVX-512, or AVX2 too, where
 ``$ATEN_CPU_CAPABILITY`` holds PyTorch to avx2 or default), by PyTorch's ``cpp_extension`` (a C++
@@ -30,7 +31,8 @@ compiler and ninja, which the package depends on), the first time a float32 CPU 
 needs it (about a minute; ``scripts/setup.sh`` builds it as part of the setup), and cached in PyTorch's extension directory
 (``$TORCH_EXTENSIONS_DIR``) under a name that includes the CPU's features. Where it cannot be built the
 decoder says so in one line and runs its PyTorch operations; ``GRPO_LIGHTNING_FUSED_DECODE=0`` turns the
-decode kernels off (``GRPO_LIGHTNING_FUSED_TRAINING=0`` the learning step's).
+decode kernels off (``GRPO_LIGHTNING_FUSED_TRAINING=0`` the learning step's, ``GRPO_LIGHTNING_FUSED_ATTENTION=0``
+its attention alone).
 """
 
 from __future__ import annotations

@@ -12,10 +12,10 @@ import types
 import pytest
 import torch
 from conftest import build_tiny_llama, needs_a_compiler
+from test_fused_training import assert_same_model_results, loss_and_grads
 
 from grpo_lightning import fused_attention, fused_decode
 from grpo_lightning.fused_attention import FusedCausalAttention, use_fused_attention
-from grpo_lightning.objectives import generated_logprobs
 
 pytestmark = needs_a_compiler(without="attention runs transformers' eager operations")
 
@@ -133,15 +133,6 @@ def build_llama_with_wide_heads(seed: int = 0):
     return LlamaForCausalLM(config)
 
 
-def logprobs_and_grads(model, ids, attention_mask=None):
-    """The learning step's forward (log-probabilities of the last 5 tokens) and every parameter's gradient."""
-    model.zero_grad(set_to_none=True)
-    logprobs = generated_logprobs(model, ids, 5, attention_mask)
-    weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(7))
-    (logprobs * weights).sum().backward()
-    return logprobs.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-
-
 def count_kernel_calls(monkeypatch) -> list[int]:
     calls = []
     original = FusedCausalAttention.apply
@@ -161,14 +152,9 @@ def test_a_models_fused_attention_gives_its_log_probs_and_gradients(kernels, mon
         mask = torch.ones(3, 14, dtype=torch.long)
         mask[1, :2] = 0
         mask[2, :4] = 0
-    logprobs, grads = logprobs_and_grads(fused, ids, mask)
-    expected_logprobs, expected_grads = logprobs_and_grads(eager, ids, mask)
+    results = loss_and_grads(fused, ids, mask)
     assert len(calls) == 2  # both layers ran the kernel
-    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-5)
-    assert grads.keys() == expected_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert fused.state_dict().keys() == eager.state_dict().keys()
+    assert_same_model_results(fused, eager, results, loss_and_grads(eager, ids, mask))
 
 
 def test_the_layers_own_forward_runs_wherever_the_kernel_does_not_apply(kernels, monkeypatch):
@@ -208,17 +194,6 @@ def test_only_llamas_attention_is_changed():
     from test_fast_decode import build_tiny_qwen2
 
     assert use_fused_attention(build_tiny_qwen2(300)) == 0  # Qwen2's attention has its own forward (sliding windows)
-
-
-def test_the_module_fuses_the_attention_of_the_policy_and_the_reference(tiny_model_dir):
-    from grpo_lightning import GRPOModule
-
-    module = GRPOModule(model_name_or_path=tiny_model_dir, reward=lambda samples: torch.zeros(len(samples)),
-                        batch_size=4, gen_len=4, num_minibatches=1, kl_coef=0.1)  # fmt: skip
-    module.configure_model()
-    for model in (module.policy, module.ref_model):
-        layers = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
-        assert layers and all("forward" in vars(layer) for layer in layers)
 
 
 def test_a_copy_of_llamas_forward_with_its_own_rotary_embedding_is_left_alone():

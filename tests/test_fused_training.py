@@ -201,14 +201,24 @@ def test_the_autograd_functions_match_the_eager_formulas(kernels):
     torch.testing.assert_close(up.grad.double(), expected_grad_up, rtol=1e-5, atol=1e-6)
 
 
-def loss_and_grads(model, ids):
+def loss_and_grads(model, ids, attention_mask=None):
     """The learning step's forward (log-probabilities of the last 5 tokens) and every parameter's gradient."""
     model.zero_grad(set_to_none=True)
-    logprobs = generated_logprobs(model, ids, 5)
+    logprobs = generated_logprobs(model, ids, 5, attention_mask)
     weights = torch.randn(logprobs.shape, generator=torch.Generator().manual_seed(3))
     (logprobs * weights).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return logprobs.detach(), grads
+
+
+def assert_same_model_results(fused, eager, results, expected) -> None:
+    """``loss_and_grads`` of a fused model and of its eager original agree to float rounding, parameter by parameter."""
+    (logprobs, grads), (expected_logprobs, expected_grads) = results, expected
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert fused.state_dict().keys() == eager.state_dict().keys()
 
 
 def count_fused_calls(monkeypatch) -> list[str]:
@@ -234,11 +244,7 @@ def test_a_models_fused_layers_give_its_log_probs_and_gradients(kernels, monkeyp
     logprobs, grads = loss_and_grads(fused, ids)
     expected_logprobs, expected_grads = loss_and_grads(eager, ids)
     assert calls.count("FusedRMSNorm") == 2 * layers + 1 and calls.count("FusedSiLUMul") == layers
-    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-5)
-    assert grads.keys() == expected_grads.keys()
-    for name, grad in grads.items():
-        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert fused.state_dict().keys() == eager.state_dict().keys()
+    assert_same_model_results(fused, eager, (logprobs, grads), (expected_logprobs, expected_grads))
 
 
 def test_lora_models_train_their_adapters_through_the_fused_layers(kernels, monkeypatch):
@@ -294,11 +300,13 @@ def test_only_layers_with_llamas_forward_are_changed():
 
 
 def test_the_module_fuses_the_policy_and_the_reference(tiny_model_dir):
+    """Norms, MLPs and attention layers (grpo_lightning.fused_attention) get the fused forward, in both models."""
     from grpo_lightning import GRPOModule
 
     module = GRPOModule(model_name_or_path=tiny_model_dir, reward=lambda samples: torch.zeros(len(samples)),
                         batch_size=4, gen_len=4, num_minibatches=1, kl_coef=0.1)  # fmt: skip
     module.configure_model()
     for model in (module.policy, module.ref_model):
-        norms = [m for m in model.modules() if type(m).__name__ == "LlamaRMSNorm"]
-        assert norms and all("forward" in vars(norm) for norm in norms)
+        for kind in ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention"):
+            layers = [m for m in model.modules() if type(m).__name__ == kind]
+            assert layers and all("forward" in vars(layer) for layer in layers), kind

@@ -1,5 +1,5 @@
-// Shared by the fused CPU kernels (decode_step.cpp, train_step.cpp; bound in bindings.cpp): their declarations
-// and the vectorizable exp they use (grpo_lightning/fused_decode.py builds them as one extension).
+// Shared by the fused CPU kernels (decode_step.cpp, train_step.cpp, train_attention.cpp; bound in bindings.cpp): their
+// declarations and the vectorizable exp they use (grpo_lightning/fused_decode.py builds them as one extension).
 #pragma once
 #include <torch/extension.h>
 
