@@ -130,7 +130,8 @@ def _is_llama_attention(module: torch.nn.Module) -> bool:
     for name in _LLAMA_HELPERS:
         helper, llamas = getattr(forward, "__globals__", {}).get(name), getattr(modeling_llama, name)
         # Llama's own object (transformers wraps some helpers in a module of its kernel hub), or its very code
-        if helper is not llamas and not (inspect.isfunction(helper) and inspect.isfunction(llamas) and _same_code(helper, llamas)):
+        same_code = inspect.isfunction(helper) and inspect.isfunction(llamas) and _same_code(helper, llamas)
+        if helper is not llamas and not same_code:
             return False
     return hasattr(module, "config") and hasattr(module, "head_dim") and all(
         isinstance(getattr(module, name, None), torch.nn.Module) for name in ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -17,8 +17,8 @@ from torch import Tensor
 from rewards.base import prepare_reward
 
 from .activation_checkpointing import enable_activation_checkpointing
-from .fused_decode import switched_on
 from .fused_attention import use_fused_attention
+from .fused_decode import switched_on
 from .fused_training import use_fused_layers
 from .heldout import heldout_rows
 from .lora import apply_lora
@@ -64,7 +64,8 @@ class PolicyModels:
         if self.activation_checkpointing:
             enable_activation_checkpointing(self.policy)
         use_training_products(self.policy)  # the learning step's fp32 products through oneDNN where faster
-        for model in (self.policy, self.ref_model):  # norms, gated MLPs and attention as fused kernels, forward and backward
+        # norms, gated MLPs and attention as fused kernels, forward and backward
+        for model in (self.policy, self.ref_model):
             if model is not None:
                 use_fused_layers(model)
                 use_fused_attention(model)

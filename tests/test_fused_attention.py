@@ -23,8 +23,9 @@ MASKED = torch.finfo(torch.float32).min  # what transformers' eager mask holds w
 
 
 def rotary_tables(rows: int, tokens: int, head_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of (rows, tokens, head_dim), each angle repeated in both halves as Llama's rotary embedding has it."""
-    angles = torch.rand(rows, tokens, head_dim // 2, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 6
+    """cos and sin of (rows, tokens, head_dim), each angle repeated in both halves, as Llama's rotary embedding has it."""
+    generator = torch.Generator().manual_seed(seed)
+    angles = torch.rand(rows, tokens, head_dim // 2, generator=generator, dtype=torch.float64) * 6
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
 
@@ -80,10 +81,12 @@ def test_the_kernel_gives_the_attention_formula_and_its_gradients(kernels, table
     real = torch.ones(batch, tokens, 1, dtype=torch.bool)  # padding queries attend to nothing: left out
     for row, pads in enumerate(padding):
         real[row, :pads] = False
-    grad_out = torch.randn(batch, tokens, heads * head_dim, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * real
+    generator = torch.Generator().manual_seed(2)
+    grad_out = torch.randn(batch, tokens, heads * head_dim, generator=generator, dtype=torch.float64) * real
 
     q32, k32, v32 = (x.float().requires_grad_(True) for x in (q, k, v))
-    out = FusedCausalAttention.apply(q32, k32, v32, cos.float(), sin.float(), mask.float(), heads, kv_heads, scaling, kernels)
+    out = FusedCausalAttention.apply(q32, k32, v32, cos.float(), sin.float(), mask.float(), heads, kv_heads, scaling,
+                                     kernels)  # fmt: skip
     out.backward(grad_out.float())
     q64, k64, v64 = (x.clone().requires_grad_(True) for x in (q, k, v))
     expected = attention_float64(q64, k64, v64, cos, sin, mask, heads, kv_heads, scaling)
@@ -206,7 +209,8 @@ def test_a_copy_of_llamas_forward_with_its_own_rotary_embedding_is_left_alone():
 
     forward = inspect.unwrap(modeling_llama.LlamaAttention.forward)
     own_globals = dict(forward.__globals__, apply_rotary_pos_emb=interleaved_rotary)
-    copied = types.FunctionType(forward.__code__, own_globals, forward.__name__, forward.__defaults__, forward.__closure__)
+    copied = types.FunctionType(forward.__code__, own_globals, forward.__name__, forward.__defaults__,
+                                forward.__closure__)  # fmt: skip
     OtherAttention = type("OtherAttention", (modeling_llama.LlamaAttention,), {"forward": copied})
     model = build_llama_with_wide_heads()
     for layer in model.model.layers:
