@@ -158,7 +158,9 @@ def test_a_whole_model_learns_alike(monkeypatch, lora):
             if "lora_B" in name:
                 torch.nn.init.normal_(param, std=0.1)
     reference = copy.deepcopy(model)
-    exact = copy.deepcopy(model).double()  # the same weights in float64, through the stock layers
+    # The same weights in float64, through the stock layers. Only the log-softmax at the end stays float32
+    # (generated_logprobs returns float32): ~1e-7 relative, far inside the tolerance.
+    exact = copy.deepcopy(model).double()
     linears = sum(type(m) is torch.nn.Linear for m in model.modules())
     assert use_training_products(model, min_weight=0) == linears > 0
     assert sum(isinstance(m, TrainingLinear) for m in model.modules()) == linears
