@@ -87,6 +87,25 @@ def test_silu_mul_reads_strided_rows_and_passes_nan_on(kernels):
     assert out[2, 5].isnan() and grad_gate[2, 5].isnan() and grad_up[2, 5].isnan()
 
 
+def test_silu_mul_is_the_formula_in_every_lane_and_past_the_last_vector(kernels):
+    """Width 45: five vectors of 8 entries (AVX2's exp8 loop where it is built) and 5 entries after them (the element
+    loop); saturating values and NaN in both parts."""
+    generator = torch.Generator().manual_seed(3)
+    gate = torch.randn(5, 45, generator=generator) * 6
+    gate[0, :8] = torch.tensor([-100.0, -87.5, -30.0, -1e-3, 0.0, 30.0, 88.5, 100.0])  # one vector: exp's clamps
+    gate[1, 40:] = torch.tensor([-100.0, -30.0, 0.0, 30.0, 100.0])  # the same past the last vector
+    gate[2, 17], gate[3, 43] = float("nan"), float("nan")
+    up = torch.randn(5, 45, generator=generator)
+    grad_out = torch.randn(5, 45, generator=generator)
+    out = kernels.silu_mul_forward(gate, up)
+    grad_gate, grad_up = kernels.silu_mul_backward(grad_out, gate, up)
+    expected, expected_grad_gate, expected_grad_up = silu_mul_and_grads_float64(gate, up, grad_out)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(grad_gate.double(), expected_grad_gate, rtol=1e-5, atol=1e-6, equal_nan=True)
+    torch.testing.assert_close(grad_up.double(), expected_grad_up, rtol=1e-5, atol=1e-6, equal_nan=True)
+    assert out[2, 17].isnan() and out[3, 43].isnan() and out.isnan().sum() == 2
+
+
 # Shapes around the register blocks (8 or 16) and the 64 x 64 tiles, so that every edge case of the blocked path
 # (columns past the last block, rows past it, both, a single partial tile) is read.
 @pytest.mark.parametrize(
@@ -153,13 +172,16 @@ def test_pick_log_softmax_gives_the_log_probabilities_and_their_gradient(kernels
     torch.testing.assert_close(grad.double(), exact.grad, rtol=1e-5, atol=1e-7)
 
 
-def test_pick_log_softmax_follows_torch_at_infinities_and_nan(kernels):
+# Columns inside the vector loops (AVX2: the maximum in blocks of 32, the sum of exp in blocks of 16), and past them.
+@pytest.mark.parametrize("columns", [(3, 7, 11), (49, 48, 49)])
+def test_pick_log_softmax_follows_torch_at_infinities_and_nan(kernels, columns):
+    infinite, impossible, nan = columns
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(9))
     logits[0, :] = float("-inf")  # an impossible row
-    logits[1, 3] = float("inf")  # an infinite logit
-    logits[2, 7] = float("-inf")  # one impossible token, picked
-    logits[3, 11] = float("nan")
-    targets = torch.tensor([0, 4, 7, 2])
+    logits[1, infinite] = float("inf")  # an infinite logit
+    logits[2, impossible] = float("-inf")  # one impossible token, picked
+    logits[3, nan] = float("nan")
+    targets = torch.tensor([0, 4, impossible, 2])
     picked, logsumexp = kernels.pick_log_softmax_forward(logits, targets)
     # as selective_log_softmax's PyTorch path: the target's logit minus torch.logsumexp
     expected = logits.gather(-1, targets[:, None]).squeeze(-1) - logits.logsumexp(-1)

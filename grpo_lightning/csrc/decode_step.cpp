@@ -147,10 +147,8 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t width) {
   float* o = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float *gate = in + r * stride, *up = gate + width;
-      float* row = o + r * width;
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) row[j] = gate[j] * up[j] / (1.f + exp_approx(-gate[j]));
+      const float* gate = in + r * stride;
+      silu_mul_row(gate, gate + width, o + r * width, width);
     }
   });
   return out;

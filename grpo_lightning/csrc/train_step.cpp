@@ -87,9 +87,7 @@ torch::Tensor silu_mul_forward(torch::Tensor gate, torch::Tensor up) {
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float *g_row = g + i * gate_stride, *u_row = u + i * up_stride;
-      float* o_row = o + i * width;
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) o_row[j] = g_row[j] * u_row[j] / (1.f + exp_approx(-g_row[j]));
+      silu_mul_row(g_row, u_row, o + i * width, width);
     }
   });
   return out;
@@ -108,13 +106,7 @@ std::tuple<torch::Tensor, torch::Tensor> silu_mul_backward(torch::Tensor grad_ou
   at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float *dh_row = dh + i * width, *g_row = g + i * gate_stride, *u_row = u + i * up_stride;
-      float *dg_row = dg + i * width, *du_row = du + i * width;
-#pragma omp simd
-      for (int64_t j = 0; j < width; ++j) {
-        const float s = 1.f / (1.f + exp_approx(-g_row[j]));
-        du_row[j] = dh_row[j] * (g_row[j] * s);
-        dg_row[j] = dh_row[j] * u_row[j] * (s * (1.f + g_row[j] * (1.f - s)));
-      }
+      silu_mul_grad_row(dh_row, g_row, u_row, dg + i * width, du + i * width, width);
     }
   });
   return {grad_gate, grad_up};
@@ -139,16 +131,11 @@ std::tuple<torch::Tensor, torch::Tensor> pick_log_softmax_forward(torch::Tensor 
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* row = in + i * stride;
-      float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-      for (int64_t j = 0; j < vocab; ++j) top = std::max(top, row[j]);
+      const float top = max_row(row, vocab);
       if (std::isinf(top)) {  // as torch.logsumexp: +inf where a logit is +inf, -inf where all are -inf
         lse[i] = top;
       } else {
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < vocab; ++j) total += exp_approx(row[j] - top);
-        lse[i] = std::log(total) + top;  // NaN where a logit is NaN
+        lse[i] = std::log(sum_exp_row(row, top, vocab)) + top;  // NaN where a logit is NaN
       }
       p[i] = row[target[i]] - lse[i];
     }
@@ -170,10 +157,8 @@ torch::Tensor pick_log_softmax_backward(torch::Tensor grad_out, torch::Tensor lo
   float* out = grad.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const float *row = in + i * stride, shift = lse[i], minus_g = -g[i];
       float* grad_row = out + i * vocab;
-#pragma omp simd
-      for (int64_t j = 0; j < vocab; ++j) grad_row[j] = minus_g * exp_approx(row[j] - shift);
+      scaled_exp_row(in + i * stride, lse[i], -g[i], grad_row, vocab);
       grad_row[target[i]] += g[i];
     }
   });
