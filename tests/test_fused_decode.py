@@ -121,6 +121,61 @@ def test_silu_mul_propagates_nan(kernels):
     assert out[0, 0].isnan() and out[0, 1].isnan()
 
 
+def softmax_parts_float64(logits):
+    """Sampling weights exp(logits - max), log sum exp and entropy, by their formulas in float64 (0 * -inf as 0),
+    from logits - max as float32 gives it (every float32 path rounds that difference, 2e-6 of exp at |d| = 40)."""
+    x = logits.double()
+    d = (logits - logits.amax(-1, keepdim=True)).double()
+    e = torch.exp(d)
+    total = e.sum(-1, keepdim=True)
+    terms = torch.where(e > 0, e * d, torch.zeros_like(d))
+    return e, x.amax(-1, keepdim=True) + total.log(), total.log().squeeze(-1) - terms.sum(-1) / total.squeeze(-1)
+
+
+# 1003 columns: the vector loops' blocks (32 for the maximum, 8 for the rest) and entries past them
+@pytest.mark.parametrize("vocab", [1003, 49152])
+def test_sampling_softmax_is_the_formula(kernels, vocab):
+    generator = torch.Generator().manual_seed(4)
+    buffer = torch.randn(5, vocab + 7, generator=generator) * 6
+    logits = buffer[:, :vocab]  # rows of stride vocab + 7, as a slice of the model's output
+    logits[1, -3:] = float("-inf")  # impossible tokens past the last vector, and inside one
+    logits[1, 8:12] = float("-inf")
+    logits[2, 0] = 200.0  # every other token of this row lies below exp's float range: weight exactly 0
+    weights, log_normaliser, entropy = kernels.sampling_softmax(logits)
+    expected_weights, expected_lse, expected_entropy = softmax_parts_float64(logits)
+    rows = [0, 1, 3, 4]  # the ordinary rows: exp within 2 ulp, sums in float64
+    torch.testing.assert_close(weights[rows].double(), expected_weights[rows], rtol=3e-7, atol=1e-30)
+    torch.testing.assert_close(log_normaliser.double(), expected_lse, rtol=1e-7, atol=1e-6)
+    torch.testing.assert_close(entropy.double(), expected_entropy, rtol=1e-6, atol=1e-6)
+    assert weights.shape == (5, vocab) and log_normaliser.shape == (5, 1) and entropy.shape == (5,)
+    assert (weights[1, -3:] == 0).all() and (weights[1, 8:12] == 0).all()
+    assert weights[2, 0] == 1.0 and (weights[2, 1:] == 0).all() and entropy[2] == 0.0 and log_normaliser[2, 0] == 200.0
+
+
+def test_sampling_softmax_passes_nan_on(kernels):
+    logits = torch.tensor([[0.0, 1.0, float("nan"), 2.0] * 5, [0.0, float("inf"), 1.0, 2.0] * 5])
+    weights, log_normaliser, entropy = kernels.sampling_softmax(logits)
+    assert log_normaliser.isnan().all() and entropy.isnan().all()
+    assert weights[0, 2].isnan() and weights[1, 1].isnan()
+
+
+def test_softmax_parts_takes_the_kernel_for_float32_cpu_logits_only(kernels, monkeypatch):
+    from grpo_lightning import sampling
+
+    calls = []
+    monkeypatch.setattr(sampling, "fused_kernels", lambda: calls.append(1) or kernels)
+    logits = torch.randn(3, 100)
+    fused = sampling.softmax_parts(logits)
+    assert calls == [1]
+    for other in (logits.double(), logits.t().contiguous().t(), logits.requires_grad_(True)):
+        sampling.softmax_parts(other)
+    assert calls == [1]  # float64, columns of stride 3, autograd: PyTorch's operations
+    monkeypatch.setattr(sampling, "fused_kernels", lambda: None)  # turned off, or no compiler
+    plain = sampling.softmax_parts(logits.detach())
+    for got, want in zip(fused, plain):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
 @pytest.fixture
 def fused_steps(monkeypatch, kernels):
     """Counts the decoder's fused steps; products prepared for the tiny layers too (the kernels need them)."""

@@ -6,6 +6,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm);
   m.def("decode_attention", &decode_attention);
   m.def("silu_mul", &silu_mul);
+  m.def("sampling_softmax", &sampling_softmax);
   m.def("rms_norm_forward", &rms_norm_forward);
   m.def("rms_norm_backward", &rms_norm_backward);
   m.def("silu_mul_forward", &silu_mul_forward);

@@ -154,4 +154,30 @@ torch::Tensor silu_mul(torch::Tensor gate_up, int64_t width) {
   return out;
 }
 
+// What a sampling step needs of softmax(logits), logits (B, V) float32 with rows of unit stride, per row in one pass
+// after its maximum (sampling.softmax_parts; PyTorch's operations make six passes over the vocabulary):
+// the weights exp(logits - max) (B, V), 0 where below exp's float range; log sum exp(logits) (B, 1); and the entropy
+// log s - sum(e d) / s (B,), with d = logits - max, e = exp(d), s = sum e.
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sampling_softmax(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.stride(1) == 1 && logits.scalar_type() == at::kFloat, "logits: (B, V) float32");
+  const int64_t rows = logits.size(0), vocab = logits.size(1), stride = logits.stride(0);
+  auto weights = torch::empty({rows, vocab}, logits.options());
+  auto log_normaliser = torch::empty({rows, 1}, logits.options());
+  auto entropy = torch::empty({rows}, logits.options());
+  const float* in = logits.data_ptr<float>();
+  float *w = weights.data_ptr<float>(), *lse = log_normaliser.data_ptr<float>(), *h = entropy.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = in + i * stride;
+      const float top = max_row(row, vocab);
+      double total = 0.0, weighted = 0.0;
+      sampling_exp_row(row, top, w + i * vocab, vocab, &total, &weighted);
+      const double log_total = std::log(total);
+      lse[i] = static_cast<float>(top + log_total);  // -inf or NaN rows give NaN, as the PyTorch operations do
+      h[i] = static_cast<float>(log_total - weighted / total);
+    }
+  });
+  return {weights, log_normaliser, entropy};
+}
+
 }  // namespace grpo_kernels

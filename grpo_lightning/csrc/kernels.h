@@ -140,6 +140,43 @@ inline float sum_exp_row(const float* row, float shift, int64_t n) {
   return total;
 }
 
+// For a sampling step, over one row of logits: out[j] = exp(row[j] - top), exactly 0 where row[j] - top < -87.3
+// (-inf included: such a token is never drawn; exp_approx would give its floor, 1e-38), and, summed in float64,
+// *total = sum_j out[j] and *weighted = sum_j out[j] * (row[j] - top) (0 * -inf counted as 0, its true term).
+inline void sampling_exp_row(const float* row, float top, float* out, int64_t n, double* total, double* weighted) {
+  double sum = 0.0, dot = 0.0;
+  int64_t j = 0;
+#ifdef GRPO_KERNELS_EXP8
+  const __m256 t = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.3f);
+  __m256d sums[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()}, dots[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
+  for (; j + 8 <= n; j += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(row + j), t);
+    const __m256 below = _mm256_cmp_ps(d, floor, _CMP_LT_OQ);  // false for NaN: NaN passes on
+    const __m256 e = _mm256_andnot_ps(below, exp8(d));
+    _mm256_storeu_ps(out + j, e);
+    const __m256 ed = _mm256_andnot_ps(below, _mm256_mul_ps(e, d));
+    sums[0] = _mm256_add_pd(sums[0], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+    sums[1] = _mm256_add_pd(sums[1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    dots[0] = _mm256_add_pd(dots[0], _mm256_cvtps_pd(_mm256_castps256_ps128(ed)));
+    dots[1] = _mm256_add_pd(dots[1], _mm256_cvtps_pd(_mm256_extractf128_ps(ed, 1)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(sums[0], sums[1]));
+  for (double lane : lanes) sum += lane;
+  _mm256_store_pd(lanes, _mm256_add_pd(dots[0], dots[1]));
+  for (double lane : lanes) dot += lane;
+#endif
+  for (int64_t k = j; k < n; ++k) {
+    const float d = row[k] - top;
+    const float e = d < -87.3f ? 0.f : exp_approx(d);
+    out[k] = e;
+    sum += e;
+    dot += d < -87.3f ? 0.0 : static_cast<double>(e * d);
+  }
+  *total = sum;
+  *weighted = dot;
+}
+
 // out[j] = scale * exp(row[j] - shift).
 inline void scaled_exp_row(const float* row, float shift, float scale, float* out, int64_t n) {
   int64_t j = 0;
@@ -157,6 +194,7 @@ torch::Tensor decode_attention(torch::Tensor qkv, torch::Tensor keys, torch::Ten
                                torch::Tensor sin, torch::Tensor pads, int64_t position, int64_t kv_heads,
                                int64_t groups, double scaling);
 torch::Tensor silu_mul(torch::Tensor gate_up, int64_t width);
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> sampling_softmax(torch::Tensor logits);
 
 // train_step.cpp: the learning step's elementwise work, forward and backward, and its transposes
 std::tuple<torch::Tensor, torch::Tensor> rms_norm_forward(torch::Tensor x, torch::Tensor weight, double eps);
