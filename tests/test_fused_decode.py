@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import types
 
 import pytest
 import torch
@@ -170,6 +171,11 @@ def test_softmax_parts_takes_the_kernel_for_float32_cpu_logits_only(kernels, mon
     for other in (logits.double(), logits.t().contiguous().t(), logits.requires_grad_(True)):
         sampling.softmax_parts(other)
     assert calls == [1]  # float64, columns of stride 3, autograd: PyTorch's operations
+    if not kernels.exp8:  # an AVX-512 build (or none): PyTorch's passes stay, the kernel is only checked above
+        assert sampling._sampling_kernels(logits.detach()) is None
+        return
+    monkeypatch.setattr(sampling, "fused_kernels", lambda: types.SimpleNamespace(exp8=False))  # AVX-512's build
+    assert sampling._sampling_kernels(logits.detach()) is None
     monkeypatch.setattr(sampling, "fused_kernels", lambda: None)  # turned off, or no compiler
     plain = sampling.softmax_parts(logits.detach())
     for got, want in zip(fused, plain):

@@ -7,6 +7,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("silu_mul", &silu_mul);
   m.def("sampling_softmax", &sampling_softmax);
+#ifdef GRPO_KERNELS_EXP8
+  m.attr("exp8") = true;  // built with the AVX2 exp: sampling_softmax is worth taking (sampling.softmax_parts)
+#else
+  m.attr("exp8") = false;
+#endif
   m.def("rms_norm_forward", &rms_norm_forward);
   m.def("rms_norm_backward", &rms_norm_backward);
   m.def("silu_mul_forward", &silu_mul_forward);

@@ -116,6 +116,7 @@ inline float max_row(const float* row, int64_t n) {
   _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(acc[0], acc[1]), _mm256_max_ps(acc[2], acc[3])));
   for (float lane : lanes) top = std::max(top, lane);
 #endif
+#pragma omp simd reduction(max : top)
   for (int64_t k = j; k < n; ++k) top = std::max(top, row[k]);
   return top;
 }
@@ -140,7 +141,8 @@ inline float sum_exp_row(const float* row, float shift, int64_t n) {
   return total;
 }
 
-// For a sampling step, over one row of logits: out[j] = exp(row[j] - top), exactly 0 where row[j] - top < -87.3
+// For a sampling step, over one row of logits (sampling.softmax_parts takes it only where exp8 is built: the element
+// loop alone, summing in float64, would be slower than PyTorch's vectorized passes): out[j] = exp(row[j] - top), exactly 0 where row[j] - top < -87.3
 // (-inf included: such a token is never drawn; exp_approx would give its floor, 1e-38), and, summed in float64,
 // *total = sum_j out[j] and *weighted = sum_j out[j] * (row[j] - top) (0 * -inf counted as 0, its true term).
 inline void sampling_exp_row(const float* row, float top, float* out, int64_t n, double* total, double* weighted) {
