@@ -141,10 +141,11 @@ inline float sum_exp_row(const float* row, float shift, int64_t n) {
   return total;
 }
 
-// For a sampling step, over one row of logits (sampling.softmax_parts takes it only where exp8 is built: the element
-// loop alone, summing in float64, would be slower than PyTorch's vectorized passes): out[j] = exp(row[j] - top), exactly 0 where row[j] - top < -87.3
+// For a sampling step, over one row of logits: out[j] = exp(row[j] - top), exactly 0 where row[j] - top < -87.3
 // (-inf included: such a token is never drawn; exp_approx would give its floor, 1e-38), and, summed in float64,
 // *total = sum_j out[j] and *weighted = sum_j out[j] * (row[j] - top) (0 * -inf counted as 0, its true term).
+// sampling.softmax_parts takes it only where exp8 is built: the element loop alone, summing in float64, would be
+// slower than PyTorch's vectorized passes.
 inline void sampling_exp_row(const float* row, float top, float* out, int64_t n, double* total, double* weighted) {
   double sum = 0.0, dot = 0.0;
   int64_t j = 0;
