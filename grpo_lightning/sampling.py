@@ -194,8 +194,7 @@ def softmax_parts(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     otherwise (tests/test_fused_decode.py)."""
     kernels = _sampling_kernels(logits)
     if kernels is not None:
-        weights, log_normaliser, entropy = kernels.sampling_softmax(logits)
-        return weights, log_normaliser, entropy
+        return kernels.sampling_softmax(logits)
     largest = logits.amax(dim=-1, keepdim=True)  # (B, 1)
     shifted = logits - largest  # (B, V), at most 0: exp never overflows
     weights = shifted.exp()

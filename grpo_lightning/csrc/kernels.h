@@ -171,10 +171,11 @@ inline void sampling_exp_row(const float* row, float top, float* out, int64_t n,
 #endif
   for (int64_t k = j; k < n; ++k) {
     const float d = row[k] - top;
-    const float e = d < -87.3f ? 0.f : exp_approx(d);
+    const bool below = d < -87.3f;
+    const float e = below ? 0.f : exp_approx(d);
     out[k] = e;
     sum += e;
-    dot += d < -87.3f ? 0.0 : static_cast<double>(e * d);
+    dot += below ? 0.0 : static_cast<double>(e * d);
   }
   *total = sum;
   *weighted = dot;
