@@ -19,14 +19,20 @@ with SiLU) are changed, which covers the models that copy it (Qwen2, Mistral, Sm
 are called as they are (LoRA layers and ``TrainingLinear`` included). Results agree with the eager layers to
 float rounding (tests/test_fused_training.py).
 
+The forward comes with the layer's class: each changed layer becomes an instance of a subclass of its own class
+(``FusedLlamaRMSNorm`` for ``LlamaRMSNorm``) that differs in ``forward`` only. A forward set on the instance would
+not last: transformers' kernel hub (the ``kernels`` package, which transformers installs) goes over a model loaded
+by ``from_pretrained`` at each of its ``train()``/``eval()`` switches and, where it has no kernel for the device (a
+CPU), puts back the class's forward of each layer it knows (``LlamaRMSNorm`` among them) by deleting the
+instance's. Lightning's ``model.train()`` at the start of fit did exactly that, and every learning step ran eager
+norms. On a GPU the hub's kernel, where it has one, still replaces the forward as it would the class's.
+
 The same extension gives ``objectives.selective_log_softmax`` its float32 kernel and ``training_products``
 its transposes. With all three, a whole step of that minibatch (forward, backward, AdamW) took a median
 2.31 s against 2.42 s without them, alternating in one process (README, "Performance").
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 from torch import Tensor
@@ -102,7 +108,7 @@ def _rows(x: Tensor, width: int) -> Tensor:
 def _norm_forward(self, hidden_states: Tensor) -> Tensor:
     kernels = _applies(hidden_states, self.weight)
     if kernels is None:
-        return type(self).forward(self, hidden_states)
+        return self.eager_forward(hidden_states)
     return FusedRMSNorm.apply(hidden_states, self.weight, float(self.variance_epsilon), kernels)
 
 
@@ -130,19 +136,34 @@ def _is_llama_mlp(module: torch.nn.Module) -> bool:
             and all(isinstance(getattr(module, name, None), torch.nn.Module) for name in ("gate_proj", "up_proj", "down_proj")))  # fmt: skip
 
 
+_FUSED_CLASSES: dict[type, type] = {}  # one fused subclass per layer class
+
+
+def _fused_class(cls: type, forward) -> type:
+    """The subclass of ``cls`` whose ``forward`` is ``forward`` (``cls``'s own stays reachable as
+    ``eager_forward``), made once per class."""
+    fused = _FUSED_CLASSES.get(cls)
+    if fused is None:
+        name = f"Fused{cls.__name__}"
+        fused = type(name, (cls,), {"forward": forward, "eager_forward": cls.forward, "__module__": __name__,
+                                    "__qualname__": name})  # fmt: skip
+        _FUSED_CLASSES[cls] = fused
+    return fused
+
+
 def use_fused_layers(model: torch.nn.Module) -> int:
     """Gives ``model``'s Llama-style RMS norms and SiLU-gated MLPs the fused forward (module docstring); returns
-    how many. Only each layer's ``forward`` changes (an attribute of the instance): weights, names and the
+    how many. Only each layer's class changes, to a subclass that differs in ``forward``: weights, names and the
     state dict stay as they are."""
     changed = 0
     for module in model.modules():
         if "forward" in vars(module):
-            continue  # changed already, or someone else's forward
+            continue  # someone else's forward
         if _is_llama_norm(module):
-            module.forward = types.MethodType(_norm_forward, module)
+            module.__class__ = _fused_class(type(module), _norm_forward)
         elif _is_llama_mlp(module):
-            module.forward = types.MethodType(_mlp_forward, module)
+            module.__class__ = _fused_class(type(module), _mlp_forward)
         else:
-            continue
+            continue  # changed already (its class's forward is now ours), or not Llama's code
         changed += 1
     return changed

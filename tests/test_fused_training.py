@@ -14,6 +14,7 @@ from test_fast_decode import build_tiny_qwen2
 from grpo_lightning import fused_decode, fused_training, objectives, training_products
 from grpo_lightning.fused_training import FusedRMSNorm, FusedSiLUMul, use_fused_layers
 from grpo_lightning.lora import LoraSettings, apply_lora
+from grpo_lightning.models import load_causal_lm
 from grpo_lightning.objectives import generated_logprobs, selective_log_softmax
 
 pytestmark = needs_a_compiler(without="the learning step runs PyTorch's operations")
@@ -316,8 +317,9 @@ def test_only_layers_with_llamas_forward_are_changed():
     model.model.layers[0].mlp.act_fn = torch.nn.GELU()  # not SiLU: left as it is
     model.add_module("other_norm", ScaledNorm())
     assert use_fused_layers(model) == 2 * 2 + 1 + 1
-    assert "forward" not in vars(model.model.layers[0].mlp) and "forward" in vars(model.model.layers[1].mlp)
-    assert "forward" not in vars(model.other_norm)
+    assert type(model.model.layers[0].mlp).__name__ == "LlamaMLP"
+    assert type(model.model.layers[1].mlp).__name__ == "FusedLlamaMLP"
+    assert type(model.other_norm) is ScaledNorm
     assert use_fused_layers(model) == 0  # once is enough
 
 
@@ -329,6 +331,24 @@ def test_the_module_fuses_the_policy_and_the_reference(tiny_model_dir):
                         batch_size=4, gen_len=4, num_minibatches=1, kl_coef=0.1)  # fmt: skip
     module.configure_model()
     for model in (module.policy, module.ref_model):
-        for kind in ("LlamaRMSNorm", "LlamaMLP", "LlamaAttention"):
-            layers = [m for m in model.modules() if type(m).__name__ == kind]
-            assert layers and all("forward" in vars(layer) for layer in layers), kind
+        for kind in ("RMSNorm", "MLP"):  # of a subclass whose forward is the fused one
+            layers = [m for m in model.modules() if type(m).__name__.endswith(kind)]
+            assert layers and all(type(layer).__name__ == f"FusedLlama{kind}" for layer in layers), kind
+        attention = [m for m in model.modules() if type(m).__name__ == "LlamaAttention"]
+        assert attention and all("forward" in vars(layer) for layer in attention)
+
+
+def test_the_fused_layers_outlast_train_and_eval_switches(kernels, monkeypatch, tiny_model_dir):
+    """transformers' kernel hub, at each train()/eval() switch of a model loaded by from_pretrained, puts back the
+    class forward of the layers it knows (LlamaRMSNorm among them), dropping any forward set on the instance;
+    Lightning calls model.train() when fit starts. The fused layers must still run after such switches."""
+    model = load_causal_lm(tiny_model_dir, "eager")
+    layers = len(model.model.layers)
+    assert use_fused_layers(model) == 2 * layers + 1 + layers
+    model.train()
+    model.eval()
+    model.train()
+    calls = count_fused_calls(monkeypatch)
+    ids = torch.randint(1, 300, (2, 9), generator=torch.Generator().manual_seed(7))
+    generated_logprobs(model, ids, 4).sum().backward()
+    assert calls.count("FusedRMSNorm") == 2 * layers + 1 and calls.count("FusedSiLUMul") == layers
