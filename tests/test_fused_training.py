@@ -12,6 +12,7 @@ from conftest import build_tiny_llama, needs_a_compiler
 from test_fast_decode import build_tiny_qwen2
 
 from grpo_lightning import fused_decode, fused_training, objectives, training_products
+from grpo_lightning.fused_attention import FusedCausalAttention, use_fused_attention
 from grpo_lightning.fused_training import FusedRMSNorm, FusedSiLUMul, use_fused_layers
 from grpo_lightning.lora import LoraSettings, apply_lora
 from grpo_lightning.models import load_causal_lm
@@ -338,17 +339,25 @@ def test_the_module_fuses_the_policy_and_the_reference(tiny_model_dir):
         assert attention and all("forward" in vars(layer) for layer in attention)
 
 
-def test_the_fused_layers_outlast_train_and_eval_switches(kernels, monkeypatch, tiny_model_dir):
+def test_the_fused_layers_outlast_train_and_eval_switches(kernels, monkeypatch, tmp_path):
     """transformers' kernel hub, at each train()/eval() switch of a model loaded by from_pretrained, puts back the
     class forward of the layers it knows (LlamaRMSNorm among them), dropping any forward set on the instance;
-    Lightning calls model.train() when fit starts. The fused layers must still run after such switches."""
-    model = load_causal_lm(tiny_model_dir, "eager")
+    Lightning calls model.train() when fit starts. The fused norms, MLPs and attention must still run after such
+    switches."""
+    from test_fused_attention import build_llama_with_wide_heads  # here: that module imports this one
+
+    build_llama_with_wide_heads().save_pretrained(tmp_path)  # heads 16 wide: the attention kernel applies too
+    model = load_causal_lm(str(tmp_path), "eager")
     layers = len(model.model.layers)
     assert use_fused_layers(model) == 2 * layers + 1 + layers
+    assert use_fused_attention(model) == layers
     model.train()
     model.eval()
     model.train()
     calls = count_fused_calls(monkeypatch)
+    original = FusedCausalAttention.apply
+    monkeypatch.setattr(FusedCausalAttention, "apply", lambda *args: calls.append("FusedCausalAttention") or original(*args))
     ids = torch.randint(1, 300, (2, 9), generator=torch.Generator().manual_seed(7))
     generated_logprobs(model, ids, 4).sum().backward()
     assert calls.count("FusedRMSNorm") == 2 * layers + 1 and calls.count("FusedSiLUMul") == layers
+    assert calls.count("FusedCausalAttention") == layers
