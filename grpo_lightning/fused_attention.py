@@ -32,7 +32,6 @@ its output reaches no real position and no gradient (tests/test_fused_attention.
 from __future__ import annotations
 
 import inspect
-import types
 
 import torch
 from torch import Tensor
@@ -40,7 +39,7 @@ from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention
 
 from .fused_decode import switched_on
-from .fused_training import _plain_cpu_fp32, _same_code, fused_training_kernels
+from .fused_training import _fused_class, _plain_cpu_fp32, _same_code, fused_training_kernels
 
 FUSED_ATTENTION_ENV = "GRPO_LIGHTNING_FUSED_ATTENTION"
 HEAD_DIM_BLOCK = 16  # the kernel works on blocks of 16 features (csrc/train_attention.cpp, combine16)
@@ -102,7 +101,7 @@ def _fits(hidden_states: Tensor, position_embeddings, attention_mask: Tensor | N
 def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, attention_mask=None, **kwargs):
     kernels = fused_attention_applies(self, hidden_states, kwargs)
     if kernels is None or not _fits(hidden_states, position_embeddings, attention_mask, self.head_dim):
-        return type(self).forward(self, hidden_states, position_embeddings, attention_mask, **kwargs)
+        return self.eager_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
     tokens = hidden_states.shape[1]
     cos, sin = position_embeddings
     q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
@@ -140,10 +139,11 @@ def _is_llama_attention(module: torch.nn.Module) -> bool:
 
 def use_fused_attention(model: torch.nn.Module) -> int:
     """Gives ``model``'s Llama attention layers the fused forward (module docstring); returns how many. Only each
-    layer's ``forward`` changes (an attribute of the instance): weights, names and the state dict stay as they are."""
+    layer's class changes, to a subclass that differs in ``forward`` (as ``fused_training.use_fused_layers`` does,
+    and for its reason): weights, names and the state dict stay as they are."""
     changed = 0
     for module in model.modules():
         if "forward" not in vars(module) and _is_llama_attention(module):
-            module.forward = types.MethodType(_attention_forward, module)
+            module.__class__ = _fused_class(type(module), _attention_forward)
             changed += 1
     return changed
