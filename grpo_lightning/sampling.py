@@ -163,14 +163,14 @@ def sample_completions_with_logprobs(
 
 def _sampling_kernels(logits: Tensor):
     """The fused kernels where ``sampling_softmax`` reads these logits (float32 (B, V) on the CPU, rows of unit
-    stride, no autograd) and was built with the AVX2 ``exp8`` (a CPU whose widest vector unit is AVX2, or a
-    build held to it); else None. Elsewhere (AVX-512 builds, measured with PyTorch's passes) nothing changes."""
+    stride, no autograd) and was built with a vector ``exp`` (AVX-512's 16 lanes or AVX2's 8); else None, and
+    PyTorch's passes run (a CPU without AVX2, where the element loop would be slower than they are)."""
     if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2 or logits.stride(-1) != 1:
         return None
     if type(logits) is not Tensor or logits.requires_grad:
         return None
     kernels = fused_kernels()
-    return kernels if getattr(kernels, "exp8", False) else None
+    return kernels if getattr(kernels, "vector_exp_lanes", 0) else None
 
 
 def softmax_parts(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -185,7 +185,7 @@ def softmax_parts(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     ``H = log s - sum(e * d) / s``. A ``-inf`` logit (probability exactly 0) gives ``e * d = 0 * -inf =
     NaN``, which ``nansum`` counts as 0, its true contribution.
 
-    For float32 CPU logits with the fused kernels built with AVX2's ``exp8`` (``_sampling_kernels``), one
+    For float32 CPU logits with the fused kernels built with a vector ``exp`` (``_sampling_kernels``), one
     compiled pass after the row's maximum does it all (``csrc/decode_step.cpp``, ``sampling_softmax``): on 2
     Zen 3 cores 33-35 ms of a G = 32 sampling of 30 tokens and 116-127 ms of a G = 128 one, where the six
     PyTorch passes took 80-100 and 260-340 ms. Its sums are in float64, and a weight below exp's float range

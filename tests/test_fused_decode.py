@@ -160,6 +160,22 @@ def test_sampling_softmax_passes_nan_on(kernels):
     assert weights[0, 2].isnan() and weights[1, 1].isnan()
 
 
+def test_the_kernels_exp_takes_the_widest_vector_unit_of_this_cpu(kernels):
+    """16 lanes where AVX-512 is present, 8 where AVX2 (with FMA) is the widest, none elsewhere, and held as
+    $ATEN_CPU_CAPABILITY holds PyTorch: an AVX-512 build once fell back to GCC's loops, 4-10x slower than PyTorch."""
+    from grpo_lightning.precision import _read_cpuinfo, parse_cpuinfo
+
+    _, flags = parse_cpuinfo(_read_cpuinfo())
+    held = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if "avx512f" in flags and held not in ("avx2", "default"):
+        expected = 16
+    elif {"avx2", "fma"} <= flags and held != "default":
+        expected = 8
+    else:
+        expected = 0
+    assert kernels.vector_exp_lanes == expected
+
+
 def test_softmax_parts_takes_the_kernel_for_float32_cpu_logits_only(kernels, monkeypatch):
     from grpo_lightning import sampling
 
@@ -171,10 +187,10 @@ def test_softmax_parts_takes_the_kernel_for_float32_cpu_logits_only(kernels, mon
     for other in (logits.double(), logits.t().contiguous().t(), logits.requires_grad_(True)):
         sampling.softmax_parts(other)
     assert calls == [1]  # float64, columns of stride 3, autograd: PyTorch's operations
-    if not kernels.exp8:  # an AVX-512 build (or none): PyTorch's passes stay, the kernel is only checked above
+    if not kernels.vector_exp_lanes:  # a build without AVX2: PyTorch's passes stay, the kernel is only checked above
         assert sampling._sampling_kernels(logits.detach()) is None
         return
-    monkeypatch.setattr(sampling, "fused_kernels", lambda: types.SimpleNamespace(exp8=False))  # AVX-512's build
+    monkeypatch.setattr(sampling, "fused_kernels", lambda: types.SimpleNamespace(vector_exp_lanes=0))  # no AVX2
     assert sampling._sampling_kernels(logits.detach()) is None
     monkeypatch.setattr(sampling, "fused_kernels", lambda: None)  # turned off, or no compiler
     plain = sampling.softmax_parts(logits.detach())

@@ -90,8 +90,8 @@ def test_silu_mul_reads_strided_rows_and_passes_nan_on(kernels):
 
 
 def test_silu_mul_is_the_formula_in_every_lane_and_past_the_last_vector(kernels):
-    """Width 45: five vectors of 8 entries (AVX2's exp8 loop where it is built) and 5 entries after them (the element
-    loop); saturating values and NaN in both parts."""
+    """Width 45: five vectors of 8 entries (AVX2's loop) or two of 16 (AVX-512's), and the entries after them (the
+    element loop); saturating values and NaN in both parts."""
     generator = torch.Generator().manual_seed(3)
     gate = torch.randn(5, 45, generator=generator) * 6
     gate[0, :8] = torch.tensor([-100.0, -87.5, -30.0, -1e-3, 0.0, 30.0, 88.5, 100.0])  # one vector: exp's clamps
@@ -139,11 +139,12 @@ def test_the_kernels_follow_pytorchs_instruction_set_hold(monkeypatch):
 
 
 def test_kernels_held_to_avx2_transpose_exactly(monkeypatch):
-    """On an AVX-512 CPU the native build transposes in 16 x 16 blocks; held to AVX2 (as on a CPU without
-    AVX-512) it takes the 8 x 8 blocks, which this reads on the same shapes."""
+    """On an AVX-512 CPU the native build transposes in 16 x 16 blocks and takes exp 16 lanes at a time; held to
+    AVX2 (as on a CPU without AVX-512) it takes the 8 x 8 blocks and 8 lanes, which this reads on the same shapes."""
     flags = fused_decode.parse_cpuinfo(fused_decode._read_cpuinfo())[1]
     if not {"avx512f", "avx2"} <= flags:
         pytest.skip("the native build is already the AVX2 (or element-loop) one here")
+    native = fused_decode.compiled_kernels()
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     fused_decode.compiled_kernels.cache_clear()
     try:
@@ -151,6 +152,9 @@ def test_kernels_held_to_avx2_transpose_exactly(monkeypatch):
     finally:
         fused_decode.compiled_kernels.cache_clear()  # the next user gets the native build again
     assert held is not None
+    assert held.vector_exp_lanes == 8  # and the native build's 16 lanes give the same SiLU x up, bit for bit
+    gate, up = torch.randn(7, 45) * 6, torch.randn(7, 45)
+    assert torch.equal(held.silu_mul_forward(gate, up), native.silu_mul_forward(gate, up))
     for shape in [(16, 8), (63, 65), (129, 127), (17, 300), (8, 8), (7, 9)]:
         x = torch.randn(shape)
         assert torch.equal(held.transpose_copy(x), x.t().contiguous()), shape

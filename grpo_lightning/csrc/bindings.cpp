@@ -7,10 +7,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("silu_mul", &silu_mul);
   m.def("sampling_softmax", &sampling_softmax);
-#ifdef GRPO_KERNELS_EXP8
-  m.attr("exp8") = true;  // built with the AVX2 exp: sampling_softmax is worth taking (sampling.softmax_parts)
+#ifdef GRPO_KERNELS_VEXP
+  m.attr("vector_exp_lanes") = GRPO_KERNELS_VEXP;  // 16 (AVX-512) or 8 (AVX2): sampling_softmax is worth taking
 #else
-  m.attr("exp8") = false;
+  m.attr("vector_exp_lanes") = 0;  // exp_approx's element loops only (sampling.softmax_parts keeps PyTorch's passes)
 #endif
   m.def("rms_norm_forward", &rms_norm_forward);
   m.def("rms_norm_backward", &rms_norm_backward);

@@ -32,48 +32,154 @@ inline float exp_approx(float x) {
   return y * scale;
 }
 
-// The same exp, 8 lanes at a time in AVX2 intrinsics, where AVX2 is the widest vector unit (AMD Zen 2/3, most
-// laptops; or a build held to AVX2). GCC vectorizes exp_approx's loops there, but turns the clamp into compares and
-// blends, and in silu(gate) * up computes the clamped case's result too, with a second division: on 2 Zen 3 cores
-// silu_mul_forward took 1.3-1.4 ns an element, slower than PyTorch's own silu and product (0.9). Written out, the loop
-// does each step once: 3.5x faster alone (benchmarks/MEASUREMENTS.md, "exp in AVX2 intrinsics"). Every lane is
-// exp_approx's arithmetic, step for step, with the FMAs where GCC contracts them in exp_approx (in a standalone test,
-// bit for bit the same over [-100, 100]); the kernels' tests hold both paths to float64 references.
-// NaN passes through: max_ps and min_ps return their second operand, x, where it is NaN.
-// Where AVX-512 is present, GCC's own AVX-512 loops run as before (not measured against these).
-#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-#define GRPO_KERNELS_EXP8 1
+// The same exp, a vector at a time in intrinsics: 16 lanes where AVX-512 is present (Intel Xeons since Skylake-SP,
+// AMD Zen 4 and later), 8 where AVX2 is the widest vector unit (AMD Zen 2/3, most laptops; or a build held to AVX2).
+// GCC vectorizes exp_approx's loops itself, but turns the clamp into compares and blends and, in silu(gate) * up,
+// computes the clamped case's result too, with a second division; it leaves the row maximum's std::max scalar.
+// Measured: on 2 Zen 3 cores silu_mul_forward took 1.3-1.4 ns an element through GCC's AVX2 loop, slower than
+// PyTorch's own silu and product (0.9), and 3.5x faster written out (benchmarks/MEASUREMENTS.md, "exp in AVX2
+// intrinsics"); on 2 cores of an Intel Xeon with AVX-512, GCC's AVX-512 loops took 5.4 ms for a (1056, 1536)
+// silu_mul_forward (PyTorch: 1.2 ms), the 16-lane intrinsics 0.55 ms, and the log-softmax's forward over (1056, 49152)
+// 56 ms against 19 ms ("The kernels' exp in AVX-512 intrinsics"). Every lane is exp_approx's arithmetic, step for step,
+// with the FMAs where GCC contracts them in exp_approx; the kernels' tests hold every path to float64 references.
+// NaN passes through: max and min return their second operand, x, where it is NaN.
+// The rows below are written once, over vec::F (a vector of vec::kLanes floats) and the few operations on it they use.
+#if defined(__AVX512F__)
+#define GRPO_KERNELS_VEXP 16
 #include <immintrin.h>
+// vec: one vector of floats (F) and of doubles (D), and the operations the rows use; zero_below(d, floor, v) is v
+// where d >= floor or d is NaN, 0 where d < floor; sum and max_lanes fold the lanes in order.
+namespace vec {
+using F = __m512;
+using D = __m512d;
+constexpr int64_t kLanes = 16;
+inline F set(float x) { return _mm512_set1_ps(x); }
+inline F load(const float* p) { return _mm512_loadu_ps(p); }
+inline void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+inline F add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F div(F a, F b) { return _mm512_div_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F fnmadd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+inline F min(F a, F b) { return _mm512_min_ps(a, b); }
+inline F max(F a, F b) { return _mm512_max_ps(a, b); }
+inline F floor(F x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline F negate(F x) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), _mm512_set1_epi32(INT32_MIN)));
+}
+inline F pow2(F n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+inline F zero_below(F d, F floor, F v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, floor, _CMP_NLT_UQ), v); }
+inline float sum(F v) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  float t = 0.f;
+  for (float l : lanes) t += l;
+  return t;
+}
+inline float max_lanes(F v, float top) {
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, v);
+  for (float l : lanes) top = std::max(top, l);
+  return top;
+}
+inline D dzero() { return _mm512_setzero_pd(); }
+inline void add_widened(D& lo, D& hi, F v) {
+  lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
+}
+inline double dsum(D v) {
+  alignas(64) double lanes[8];
+  _mm512_store_pd(lanes, v);
+  double t = 0.0;
+  for (double l : lanes) t += l;
+  return t;
+}
+}  // namespace vec
+#elif defined(__AVX2__) && defined(__FMA__)
+#define GRPO_KERNELS_VEXP 8
+#include <immintrin.h>
+namespace vec {
+using F = __m256;
+using D = __m256d;
+constexpr int64_t kLanes = 8;
+inline F set(float x) { return _mm256_set1_ps(x); }
+inline F load(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+inline F add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F div(F a, F b) { return _mm256_div_ps(a, b); }
+inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F fnmadd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+inline F min(F a, F b) { return _mm256_min_ps(a, b); }
+inline F max(F a, F b) { return _mm256_max_ps(a, b); }
+inline F floor(F x) { return _mm256_floor_ps(x); }
+inline F negate(F x) { return _mm256_xor_ps(x, _mm256_set1_ps(-0.f)); }
+inline F pow2(F n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline F zero_below(F d, F floor, F v) { return _mm256_andnot_ps(_mm256_cmp_ps(d, floor, _CMP_LT_OQ), v); }
+inline float sum(F v) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  float t = 0.f;
+  for (float l : lanes) t += l;
+  return t;
+}
+inline float max_lanes(F v, float top) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, v);
+  for (float l : lanes) top = std::max(top, l);
+  return top;
+}
+inline D dzero() { return _mm256_setzero_pd(); }
+inline void add_widened(D& lo, D& hi, F v) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+}
+inline double dsum(D v) {
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, v);
+  double t = 0.0;
+  for (double l : lanes) t += l;
+  return t;
+}
+}  // namespace vec
+#endif
 
-inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
-  const __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(bits));
+#ifdef GRPO_KERNELS_VEXP
+// exp_approx, a vector at a time.
+inline vec::F vexp(vec::F x) {
+  using namespace vec;
+  x = min(set(88.3f), max(set(-87.3f), x));
+  const F n = floor(fmadd(x, set(1.44269504088896341f), set(0.5f)));
+  F r = fnmadd(n, set(0.693359375f), x);
+  r = fmadd(n, set(2.12194440e-4f), r);
+  F p = set(1.9875691500e-4f);
+  p = fmadd(p, r, set(1.3981999507e-3f));
+  p = fmadd(p, r, set(8.3334519073e-3f));
+  p = fmadd(p, r, set(4.1665795894e-2f));
+  p = fmadd(p, r, set(1.6666665459e-1f));
+  p = fmadd(p, r, set(5.0000001201e-1f));
+  const F y = add(fmadd(mul(p, r), r, r), set(1.f));
+  return mul(y, pow2(n));
 }
 #endif
 
-// The rows the kernels' exp is spent on, each with exp8's loop where it is built and exp_approx's otherwise (and for
-// the last n % 8 entries).
+// The rows the kernels' exp is spent on: each a vector loop where vec is built, exp_approx's element loop for the rest
+// (the last n % kLanes entries, or all of them on a CPU without AVX2).
 
 // out[j] = gate[j] * up[j] / (1 + exp(-gate[j])): silu(gate) * up, the gated MLP's activation.
 inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t n) {
   int64_t j = 0;
-#ifdef GRPO_KERNELS_EXP8
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + j);
-    const __m256 e = exp8(_mm256_xor_ps(g, sign));
-    _mm256_storeu_ps(out + j, _mm256_div_ps(_mm256_mul_ps(g, _mm256_loadu_ps(up + j)), _mm256_add_ps(one, e)));
+#ifdef GRPO_KERNELS_VEXP
+  using namespace vec;
+  for (; j + kLanes <= n; j += kLanes) {
+    const F g = load(gate + j);
+    store(out + j, div(mul(g, load(up + j)), add(set(1.f), vexp(negate(g)))));
   }
 #endif
 #pragma omp simd
@@ -84,14 +190,15 @@ inline void silu_mul_row(const float* gate, const float* up, float* out, int64_t
 inline void silu_mul_grad_row(const float* dh, const float* gate, const float* up, float* d_gate, float* d_up,
                               int64_t n) {
   int64_t j = 0;
-#ifdef GRPO_KERNELS_EXP8
-  const __m256 one = _mm256_set1_ps(1.f), sign = _mm256_set1_ps(-0.f);
-  for (; j + 8 <= n; j += 8) {
-    const __m256 g = _mm256_loadu_ps(gate + j), d = _mm256_loadu_ps(dh + j);
-    const __m256 s = _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign))));
-    _mm256_storeu_ps(d_up + j, _mm256_mul_ps(d, _mm256_mul_ps(g, s)));
-    const __m256 slope = _mm256_mul_ps(s, _mm256_fmadd_ps(g, _mm256_sub_ps(one, s), one));
-    _mm256_storeu_ps(d_gate + j, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_loadu_ps(up + j)), slope));
+#ifdef GRPO_KERNELS_VEXP
+  using namespace vec;
+  const F one = set(1.f);
+  for (; j + kLanes <= n; j += kLanes) {
+    const F g = load(gate + j), d = load(dh + j);
+    const F s = div(one, add(one, vexp(negate(g))));
+    store(d_up + j, mul(d, mul(g, s)));
+    const F slope = mul(s, fmadd(g, sub(one, s), one));
+    store(d_gate + j, mul(mul(d, load(up + j)), slope));
   }
 #endif
 #pragma omp simd
@@ -107,34 +214,31 @@ inline void silu_mul_grad_row(const float* dh, const float* gate, const float* u
 inline float max_row(const float* row, int64_t n) {
   float top = -INFINITY;
   int64_t j = 0;
-#ifdef GRPO_KERNELS_EXP8
-  __m256 acc[4] = {_mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
-                   _mm256_set1_ps(-INFINITY)};
-  for (; j + 32 <= n; j += 32)
-    for (int u = 0; u < 4; ++u) acc[u] = _mm256_max_ps(_mm256_loadu_ps(row + j + 8 * u), acc[u]);  // x NaN: acc kept
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_max_ps(_mm256_max_ps(acc[0], acc[1]), _mm256_max_ps(acc[2], acc[3])));
-  for (float lane : lanes) top = std::max(top, lane);
+#ifdef GRPO_KERNELS_VEXP
+  using namespace vec;
+  F acc[4] = {set(-INFINITY), set(-INFINITY), set(-INFINITY), set(-INFINITY)};
+  for (; j + 4 * kLanes <= n; j += 4 * kLanes)
+    for (int u = 0; u < 4; ++u) acc[u] = max(load(row + j + kLanes * u), acc[u]);  // x NaN: acc kept
+  top = max_lanes(max(max(acc[0], acc[1]), max(acc[2], acc[3])), top);
 #endif
 #pragma omp simd reduction(max : top)
   for (int64_t k = j; k < n; ++k) top = std::max(top, row[k]);
   return top;
 }
 
-// sum_j exp(row[j] - shift): the normaliser of a softmax.
+// sum_j exp(row[j] - shift): the normaliser of a softmax; two chains of additions, not one.
 inline float sum_exp_row(const float* row, float shift, int64_t n) {
   float total = 0.f;
   int64_t j = 0;
-#ifdef GRPO_KERNELS_EXP8
-  const __m256 s = _mm256_set1_ps(shift);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();  // two chains of additions, not one
-  for (; j + 16 <= n; j += 16) {
-    acc0 = _mm256_add_ps(acc0, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), s)));
-    acc1 = _mm256_add_ps(acc1, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j + 8), s)));
+#ifdef GRPO_KERNELS_VEXP
+  using namespace vec;
+  const F s = set(shift);
+  F acc0 = set(0.f), acc1 = set(0.f);
+  for (; j + 2 * kLanes <= n; j += 2 * kLanes) {
+    acc0 = add(acc0, vexp(sub(load(row + j), s)));
+    acc1 = add(acc1, vexp(sub(load(row + j + kLanes), s)));
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
-  for (float lane : lanes) total += lane;
+  total = sum(add(acc0, acc1));
 #endif
 #pragma omp simd reduction(+ : total)
   for (int64_t k = j; k < n; ++k) total += exp_approx(row[k] - shift);
@@ -144,30 +248,26 @@ inline float sum_exp_row(const float* row, float shift, int64_t n) {
 // For a sampling step, over one row of logits: out[j] = exp(row[j] - top), exactly 0 where row[j] - top < -87.3
 // (-inf included: such a token is never drawn; exp_approx would give its floor, 1e-38), and, summed in float64,
 // *total = sum_j out[j] and *weighted = sum_j out[j] * (row[j] - top) (0 * -inf counted as 0, its true term).
-// sampling.softmax_parts takes it only where exp8 is built: the element loop alone, summing in float64, would be
+// sampling.softmax_parts takes it only where vec is built: the element loop alone, summing in float64, would be
 // slower than PyTorch's vectorized passes.
 inline void sampling_exp_row(const float* row, float top, float* out, int64_t n, double* total, double* weighted) {
   double sum = 0.0, dot = 0.0;
   int64_t j = 0;
-#ifdef GRPO_KERNELS_EXP8
-  const __m256 t = _mm256_set1_ps(top), floor = _mm256_set1_ps(-87.3f);
-  __m256d sums[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()}, dots[2] = {_mm256_setzero_pd(), _mm256_setzero_pd()};
-  for (; j + 8 <= n; j += 8) {
-    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(row + j), t);
-    const __m256 below = _mm256_cmp_ps(d, floor, _CMP_LT_OQ);  // false for NaN: NaN passes on
-    const __m256 e = _mm256_andnot_ps(below, exp8(d));
-    _mm256_storeu_ps(out + j, e);
-    const __m256 ed = _mm256_andnot_ps(below, _mm256_mul_ps(e, d));
-    sums[0] = _mm256_add_pd(sums[0], _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    sums[1] = _mm256_add_pd(sums[1], _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
-    dots[0] = _mm256_add_pd(dots[0], _mm256_cvtps_pd(_mm256_castps256_ps128(ed)));
-    dots[1] = _mm256_add_pd(dots[1], _mm256_cvtps_pd(_mm256_extractf128_ps(ed, 1)));
+#ifdef GRPO_KERNELS_VEXP
+  {
+    using namespace vec;
+    const F t = set(top), floor_ = set(-87.3f);
+    D sums[2] = {dzero(), dzero()}, dots[2] = {dzero(), dzero()};
+    for (; j + kLanes <= n; j += kLanes) {
+      const F d = sub(load(row + j), t);
+      const F e = zero_below(d, floor_, vexp(d));
+      store(out + j, e);
+      add_widened(sums[0], sums[1], e);
+      add_widened(dots[0], dots[1], zero_below(d, floor_, mul(e, d)));
+    }
+    sum = dsum(sums[0]) + dsum(sums[1]);
+    dot = dsum(dots[0]) + dsum(dots[1]);
   }
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, _mm256_add_pd(sums[0], sums[1]));
-  for (double lane : lanes) sum += lane;
-  _mm256_store_pd(lanes, _mm256_add_pd(dots[0], dots[1]));
-  for (double lane : lanes) dot += lane;
 #endif
   for (int64_t k = j; k < n; ++k) {
     const float d = row[k] - top;
@@ -184,9 +284,10 @@ inline void sampling_exp_row(const float* row, float top, float* out, int64_t n,
 // out[j] = scale * exp(row[j] - shift).
 inline void scaled_exp_row(const float* row, float shift, float scale, float* out, int64_t n) {
   int64_t j = 0;
-#ifdef GRPO_KERNELS_EXP8
-  const __m256 s = _mm256_set1_ps(shift), c = _mm256_set1_ps(scale);
-  for (; j + 8 <= n; j += 8) _mm256_storeu_ps(out + j, _mm256_mul_ps(c, exp8(_mm256_sub_ps(_mm256_loadu_ps(row + j), s))));
+#ifdef GRPO_KERNELS_VEXP
+  using namespace vec;
+  const F s = set(shift), c = set(scale);
+  for (; j + kLanes <= n; j += kLanes) store(out + j, mul(c, vexp(sub(load(row + j), s))));
 #endif
 #pragma omp simd
   for (int64_t k = j; k < n; ++k) out[k] = scale * exp_approx(row[k] - shift);
