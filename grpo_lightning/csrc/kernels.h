@@ -72,33 +72,14 @@ inline F pow2(F n) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
 }
 inline F zero_below(F d, F floor, F v) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(d, floor, _CMP_NLT_UQ), v); }
-inline float sum(F v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  float t = 0.f;
-  for (float l : lanes) t += l;
-  return t;
-}
-inline float max_lanes(F v, float top) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  for (float l : lanes) top = std::max(top, l);
-  return top;
-}
 inline D dzero() { return _mm512_setzero_pd(); }
+inline void dstore(double* p, D v) { _mm512_storeu_pd(p, v); }
 inline void add_widened(D& lo, D& hi, F v) {
   lo = _mm512_add_pd(lo, _mm512_cvtps_pd(_mm512_castps512_ps256(v)));
   hi = _mm512_add_pd(hi, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1))));
 }
-inline double dsum(D v) {
-  alignas(64) double lanes[8];
-  _mm512_store_pd(lanes, v);
-  double t = 0.0;
-  for (double l : lanes) t += l;
-  return t;
-}
 }  // namespace vec
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__)  // the same operations on AVX2's 8 lanes
 #define GRPO_KERNELS_VEXP 8
 #include <immintrin.h>
 namespace vec {
@@ -122,35 +103,40 @@ inline F pow2(F n) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
 }
 inline F zero_below(F d, F floor, F v) { return _mm256_andnot_ps(_mm256_cmp_ps(d, floor, _CMP_LT_OQ), v); }
-inline float sum(F v) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  float t = 0.f;
-  for (float l : lanes) t += l;
-  return t;
-}
-inline float max_lanes(F v, float top) {
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, v);
-  for (float l : lanes) top = std::max(top, l);
-  return top;
-}
 inline D dzero() { return _mm256_setzero_pd(); }
+inline void dstore(double* p, D v) { _mm256_storeu_pd(p, v); }
 inline void add_widened(D& lo, D& hi, F v) {
   lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(v)));
   hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
-}
-inline double dsum(D v) {
-  alignas(32) double lanes[4];
-  _mm256_store_pd(lanes, v);
-  double t = 0.0;
-  for (double l : lanes) t += l;
-  return t;
 }
 }  // namespace vec
 #endif
 
 #ifdef GRPO_KERNELS_VEXP
+namespace vec {
+// Folding a vector's lanes, in order (the same for either width).
+inline float sum(F v) {
+  float lanes[kLanes];
+  store(lanes, v);
+  float t = 0.f;
+  for (float l : lanes) t += l;
+  return t;
+}
+inline float max_lanes(F v, float top) {
+  float lanes[kLanes];
+  store(lanes, v);
+  for (float l : lanes) top = std::max(top, l);
+  return top;
+}
+inline double dsum(D v) {
+  double lanes[kLanes / 2];
+  dstore(lanes, v);
+  double t = 0.0;
+  for (double l : lanes) t += l;
+  return t;
+}
+}  // namespace vec
+
 // exp_approx, a vector at a time.
 inline vec::F vexp(vec::F x) {
   using namespace vec;
