@@ -161,15 +161,14 @@ def test_sampling_softmax_passes_nan_on(kernels):
 
 
 def test_the_kernels_exp_takes_the_widest_vector_unit_of_this_cpu(kernels):
-    """16 lanes where AVX-512 is present, 8 where AVX2 (with FMA) is the widest, none elsewhere, and held as
-    $ATEN_CPU_CAPABILITY holds PyTorch: an AVX-512 build once fell back to GCC's loops, 4-10x slower than PyTorch."""
-    from grpo_lightning.precision import _read_cpuinfo, parse_cpuinfo
-
-    _, flags = parse_cpuinfo(_read_cpuinfo())
-    held = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
-    if "avx512f" in flags and held not in ("avx2", "default"):
+    """16 lanes where AVX-512 is present, 8 where AVX2 (with FMA) is the widest, none elsewhere, less what the
+    build's flags hold back ($ATEN_CPU_CAPABILITY): an AVX-512 build once fell back to GCC's loops, 4-10x slower
+    than PyTorch."""
+    _, flags = fused_decode.parse_cpuinfo(fused_decode._read_cpuinfo())
+    held = set(fused_decode.compile_flags())
+    if "avx512f" in flags and "-mno-avx512f" not in held:
         expected = 16
-    elif {"avx2", "fma"} <= flags and held != "default":
+    elif {"avx2", "fma"} <= flags and "-mno-avx2" not in held:
         expected = 8
     else:
         expected = 0
