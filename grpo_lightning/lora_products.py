@@ -62,7 +62,7 @@ class LoraLinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[3]:
             grad_a = torch.mm(grad_up.t(), rows).mul_(ctx.scaling)  # (r, d_in)
         if ctx.needs_input_grad[4]:
-            # (h^T dy)^T, not dy^T h: the same sums in the same order, twice as fast through MKL (a product
+            # (h^T dy)^T, not dy^T h: the same sums (equal to float rounding), twice as fast through MKL (a product
             # with 16 output rows, not 16 output columns: 0.78 against 1.47 ms at 1024 x 1536 on 2 Intel cores)
             grad_b = torch.mm(down.t(), grad_rows).t().mul_(ctx.scaling)  # (d_out, r), transposed in memory
         return grad_x, None, None, grad_a, grad_b, None, None

@@ -138,13 +138,12 @@ def test_the_kernels_follow_pytorchs_instruction_set_hold(monkeypatch):
     assert fused_decode.compile_flags() == fused_decode.COMPILE_FLAGS
 
 
-def test_kernels_held_to_avx2_transpose_exactly(monkeypatch):
+def test_kernels_held_to_avx2_transpose_exactly(kernels, monkeypatch):
     """On an AVX-512 CPU the native build transposes in 16 x 16 blocks and takes exp 16 lanes at a time; held to
     AVX2 (as on a CPU without AVX-512) it takes the 8 x 8 blocks and 8 lanes, which this reads on the same shapes."""
     flags = fused_decode.parse_cpuinfo(fused_decode._read_cpuinfo())[1]
     if not {"avx512f", "avx2"} <= flags:
         pytest.skip("the native build is already the AVX2 (or element-loop) one here")
-    native = fused_decode.compiled_kernels()
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
     fused_decode.compiled_kernels.cache_clear()
     try:
@@ -153,9 +152,9 @@ def test_kernels_held_to_avx2_transpose_exactly(monkeypatch):
         fused_decode.compiled_kernels.cache_clear()  # the next user gets the native build again
     assert held is not None
     assert held.vector_exp_lanes == 8
-    if native.vector_exp_lanes == 16:  # not held itself: its 16 lanes give the same SiLU x up, bit for bit
+    if kernels.vector_exp_lanes == 16:  # the native build, not held itself: 16 lanes, the same SiLU x up bit for bit
         gate, up = torch.randn(7, 45) * 6, torch.randn(7, 45)
-        assert torch.equal(held.silu_mul_forward(gate, up), native.silu_mul_forward(gate, up))
+        assert torch.equal(held.silu_mul_forward(gate, up), kernels.silu_mul_forward(gate, up))
     for shape in [(16, 8), (63, 65), (129, 127), (17, 300), (8, 8), (7, 9)]:
         x = torch.randn(shape)
         assert torch.equal(held.transpose_copy(x), x.t().contiguous()), shape
