@@ -14,6 +14,7 @@ Lightning does backward, gradient clipping, precision, devices, checkpoints and 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 import warnings
 from typing import Callable
@@ -78,6 +79,17 @@ warnings.filterwarnings("ignore", message=r"`training_step` returned `None`")
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('rollout/")
 # - the held-out scores are torchmetrics metrics, summed over processes when computed (grpo_lightning.heldout).
 warnings.filterwarnings("ignore", message=r"It is recommended to use `self.log\('eval/")
+# - without held-out prompts the validation loader is an empty list: no validation, on purpose (heldout_loader).
+warnings.filterwarnings("ignore", message=r"Total length of `list` across ranks is zero")
+
+
+def _not_an_advertisement(record: logging.LogRecord) -> bool:
+    """Lightning's trainer logs a tip that advertises its hosted logger on every run without one; the run's
+    first lines are kept for what it does (the precision chosen, the devices)."""
+    return not str(record.msg).startswith("💡 Tip:")
+
+
+logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_an_advertisement)
 
 
 def phase_seed(seed: int, phase: int, rank: int) -> int:

@@ -128,3 +128,24 @@ def test_python_dash_m_and_console_script_start_the_cli():
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "--model.kl_coef" in result.stdout and "--model.reward" in result.stdout
+
+
+def test_a_run_prints_no_lightning_advertisement_or_empty_validation_warning():
+    """Lightning's hosted-logger tip and its warning about the empty validation loader (no held-out prompts: no
+    validation, on purpose) are kept off the run's output; Lightning's other lines and other warnings stay."""
+    script = (
+        "import logging, warnings\n"
+        "import grpo_lightning.module\n"
+        "from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn\n"
+        "logging.basicConfig(level=logging.INFO)\n"
+        "rank_zero_info('💡 Tip: For seamless cloud logging, try installing [litlogger]')\n"
+        "rank_zero_info('GPU available: False, used: False')\n"
+        "rank_zero_warn('Total length of `list` across ranks is zero. Please make sure this was your intention.')\n"
+        "rank_zero_warn('Total length of `DataLoader` across ranks is zero. Please make sure this was your intention.')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "GPU available: False, used: False" in result.stderr
+    assert "Total length of `DataLoader`" in result.stderr  # a loader that should have held batches still warns
+    assert "💡" not in result.stderr and "litlogger" not in result.stderr
+    assert "Total length of `list`" not in result.stderr
