@@ -6,6 +6,7 @@ second copy of the model is loaded (see ``GRPOModule.get_ref_logprobs``).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -73,7 +74,10 @@ def apply_lora(model: torch.nn.Module, settings: LoraSettings, seed: int = 0) ->
         target_modules=settings.target_modules or default_target_modules(model),
         task_type="CAUSAL_LM",
     )
-    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG as it was
+    with torch.random.fork_rng(devices=[]), warnings.catch_warnings():  # leave the caller's global RNG as it was
+        # peft reads model.is_gradient_checkpointing, which transformers 5 deprecates with a FutureWarning on every
+        # LoRA run; the attribute is peft's to stop reading, nothing a user can act on.
+        warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         torch.manual_seed(seed)
         try:
             return get_peft_model(model, config).eval()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
@@ -118,3 +120,17 @@ def test_activation_checkpointing_under_lora_gives_the_same_adapter_gradients(ti
     assert grads[True].keys() == grads[False].keys() and all("lora_" in name for name in grads[True])
     for name, grad in grads[False].items():
         torch.testing.assert_close(grads[True][name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_wrapping_prints_no_deprecation_warning_from_peft(tiny_model_dir):
+    """peft reads transformers' deprecated ``is_gradient_checkpointing`` while wrapping: that FutureWarning is not
+    shown, and the filter does not outlive the wrapping."""
+    from grpo_lightning.lora import apply_lora
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        apply_lora(model, LoraSettings())
+        assert not [w for w in caught if "is_gradient_checkpointing" in str(w.message)]
+        model.is_gradient_checkpointing  # read directly, after the wrapping: transformers' warning shows as before
+    assert [w.category for w in caught if "is_gradient_checkpointing" in str(w.message)] == [FutureWarning]
