@@ -89,7 +89,9 @@ def _not_an_advertisement(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith("💡 Tip:")
 
 
-logging.getLogger("lightning.pytorch.utilities.rank_zero").addFilter(_not_an_advertisement)
+# Lightning's rank-zero helpers log through one of these two, whichever package set it last.
+for _logger in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
+    logging.getLogger(_logger).addFilter(_not_an_advertisement)
 
 
 def phase_seed(seed: int, phase: int, rank: int) -> int:
