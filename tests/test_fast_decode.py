@@ -377,6 +377,29 @@ def test_packed_lora_layers_compute_the_adapted_and_the_switched_off_model(decod
     assert not any("forward" in vars(m) for m in lora.modules())  # all restored
 
 
+@pytest.mark.parametrize("alpha, bitwise", [(32, True), (24, False)])  # scaling alpha / r: 2, a power of two; 1.5
+def test_a_lora_layer_is_prepared_as_peft_merges_it(alpha, bitwise):
+    """The weight a LoRA layer is prepared as: peft's merge (base weight + its delta) to the bit where the scaling
+    is a power of two (the default), to float rounding otherwise; no gradient graph through the adapters."""
+    lora = apply_lora(build_tiny_llama(vocab_size=300, seed=6), LoraSettings(alpha=alpha), seed=0)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in lora.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
+    layers = [m for m in lora.modules() if hasattr(m, "get_delta_weight")]
+    assert len(layers) == 14 and layers[0].scaling["default"] == alpha / 16
+    for layer in layers:
+        weight, bias = packed_linear._linear_weight(layer)
+        peft_merge = layer.base_layer.weight + layer.get_delta_weight("default")
+        assert bias is None and not weight.requires_grad
+        if bitwise:
+            assert torch.equal(weight, peft_merge)
+        else:
+            torch.testing.assert_close(weight, peft_merge, rtol=1e-6, atol=1e-7)
+            assert not torch.equal(weight, layer.base_layer.weight)
+
+
 def build_tiny_qwen2(vocab_size: int = 300, seed: int = 0):
     """Qwen2's query/key/value projections have biases, its output projection has none."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
