@@ -176,7 +176,7 @@ def _merged_weight(module: torch.nn.Module, weight: Tensor, active: list[str]) -
     """``weight + scaling * B @ A`` of a LoRA layer's active adapters. One adapter (the usual case) is one ``addmm``,
     a single pass that writes the merged weight, where peft's ``get_delta_weight`` writes ``B @ A``, scales it into a
     new tensor and adds that to the weight: a LoRA phase's rollout products were prepared in 0.32 s against 0.41-0.43
-    (SmolLM2-135M, 2 Intel cores). The same weight as peft's merge to the bit where the scaling is a power of two
+    (SmolLM2-135M in fp32, 2 cores of an Intel Xeon with native bf16; benchmarks/MEASUREMENTS.md). The same weight as peft's merge to the bit where the scaling is a power of two
     (alpha / r = 32 / 16 by default: scaling the product is exact), to float rounding otherwise. Several adapters, or
     a layer that stores its weight transposed (``fan_in_fan_out``), take peft's delta."""
     with torch.no_grad():  # prepared products are gradient-free: no graph through A and B
