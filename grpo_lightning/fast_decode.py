@@ -28,9 +28,15 @@ model's, and replaces the glue:
 - the query and key heads are rotated in one pass, as ``x * cos + swap_halves(x) * signed_sin`` (the sign
   of ``rotate_half`` moved into a sin table made once), and the RMS norms run as PyTorch's fused one where
   the activations are float32: fewer operations on (B, 1, d) tensors, whose dispatch is their cost;
-- float32 steps of one token on the CPU go further: everything between the products (residual adds and norms,
-  rotation, cache writes and attention, the gated activation) runs as three compiled kernels
-  (``fused_decode``), each one pass over its data, where the machine can build them.
+- steps of one token on the CPU go further: everything between the products (residual adds and norms,
+  rotation, cache writes and attention, the gated activation) runs as three compiled float32 kernels
+  (``fused_decode``), each one pass over its data, where the machine can build them. Under bf16 autocast too,
+  where the products are prepared in bf16: their inputs are rounded to bf16 as autocast rounds them, their
+  bf16 results widened to float32 (exactly) for the kernels, and the caches kept in float32. So only the
+  products round to bf16; autocast's eager operations also round the rotated queries and keys, the attention
+  products and the gated activation. Logits differ from the eager path's by a bf16 rounding here and there, as
+  any two bf16 paths do (tests/test_fused_decode.py). On 2 Intel cores with native bf16 (AMX) a sampling of
+  128 rows took 3.8-4.0 s this way against 5.0-5.2 s through the eager operations (benchmarks/MEASUREMENTS.md).
 
 The same products as the eager forward: logits agree with it to float rounding (tests/test_fast_decode.py
 compares them, with and without prepared products). Models of another shape are sampled through their own
@@ -174,7 +180,10 @@ class LeanDecoder:
         # rotate_half(x) * sin = (-x2, x1) * (s1, s2) = (x2, x1) * (-s1, s2): the halves swapped, and the sign in sin
         half = self.head_dim // 2
         self.cos, self.signed_sin = cos[0], torch.cat((-sin[0, :, :half], sin[0, :, half:]), dim=-1)
-        self.fused = _fused_step_kernels(self) if prepare else None  # kernels for one-token float32 steps, or None
+        self.fused = _fused_step_kernels(self) if prepare else None  # kernels for one-token steps, or None
+        # The autocast state the products were prepared in: steps are fused only in it, so that every step runs
+        # the same products (bf16 ones under bf16 autocast, float32 ones outside it)
+        self.autocast = torch.is_autocast_enabled("cpu")
 
     def prompt(self, ids: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """The first call: the prompts (B, P), left-padded where ``attention_mask`` (B, P) is 0 (prompts of
@@ -196,15 +205,17 @@ class LeanDecoder:
         return self._fused_step(ids) if self._steps_fused(ids) else self._forward(ids, self.pads)
 
     def _steps_fused(self, ids: Tensor) -> bool:
-        """Whether this call is one token per row after the prompt (the caches exist), in float32, as built."""
+        """Whether this call is one token per row after the prompt (the caches exist), in the autocast state the
+        decoder was built in, with float32 caches."""
         if self.fused is None or ids.shape[1] != 1 or len(self.keys) != len(self.products):
             return False
-        fp32_caches = self.keys[0].dtype == torch.float32
-        return fp32_caches and not torch.is_autocast_enabled("cpu") and not torch.is_grad_enabled()
+        fp32_caches = self.keys[0].dtype == torch.float32 and self.values[0].dtype == torch.float32
+        return fp32_caches and torch.is_autocast_enabled("cpu") == self.autocast and not torch.is_grad_enabled()
 
     def _fused_step(self, ids: Tensor) -> Tensor:
-        """``_forward`` of one new token per row, float32 on the CPU: the products as there, the operations between
-        them as the fused kernels (``fused_decode``). ``hidden`` is updated in place by each residual add."""
+        """``_forward`` of one new token per row on the CPU: the products as there, the operations between them
+        as the fused float32 kernels (``fused_decode``); bf16 products' results are widened to float32 for them
+        (module docstring). ``hidden`` is updated in place by each residual add."""
         kernels, position = self.fused, self.length
         if position >= self.max_len:
             raise ValueError(f"LeanDecoder holds {self.max_len} positions; {position + 1} were asked for")
@@ -214,12 +225,13 @@ class LeanDecoder:
         for layer, products, keys, values in zip(self.body.layers, self.products, self.keys, self.values):
             normed = kernels.add_rms_norm(hidden, delta, *_norm_parameters(layer.input_layernorm))
             attended = kernels.decode_attention(
-                products.joined_qkv(normed), keys, values, self.cos, self.signed_sin, pads, position,
+                _float32(products.joined_qkv(normed)), keys, values, self.cos, self.signed_sin, pads, position,
                 self.kv_heads, self.groups, self.scaling,
             )
-            normed = kernels.add_rms_norm(hidden, products.o(attended), *_norm_parameters(layer.post_attention_layernorm))
+            attention_out = _float32(products.o(attended))
+            normed = kernels.add_rms_norm(hidden, attention_out, *_norm_parameters(layer.post_attention_layernorm))
             width = layer.mlp.gate_proj.out_features
-            delta = products.down(kernels.silu_mul(products.joined_gate_up(normed), width))
+            delta = _float32(products.down(kernels.silu_mul(_float32(products.joined_gate_up(normed)), width)))
         self.length = position + 1
         return self.head(kernels.add_rms_norm(hidden, delta, *_norm_parameters(self.body.norm)))  # (B, V)
 
@@ -274,9 +286,11 @@ class LeanDecoder:
         q = q.reshape(batch, kv, groups * new, hd)
         k = qk[:, :, heads:].transpose(1, 2)  # (B, kv, n, hd)
         v = qkv[:, :, heads + kv :].transpose(1, 2)  # (B, kv, n, hd)
-        if index == len(self.keys):  # first call: buffers in the dtypes the attention products read k and v in
-            self.keys.append(torch.empty((batch, kv, self.max_len, hd), dtype=_cached_key_dtype(k), device=k.device))
-            self.values.append(torch.empty((batch, kv, self.max_len, hd), dtype=v.dtype, device=v.device))
+        if index == len(self.keys):  # first call: buffers in the dtypes the attention reads k and v in
+            fused = self.fused is not None  # the fused steps' float32 (the bf16 values widen exactly)
+            key_dtype, value_dtype = (torch.float32, torch.float32) if fused else (_cached_key_dtype(k), v.dtype)
+            self.keys.append(torch.empty((batch, kv, self.max_len, hd), dtype=key_dtype, device=k.device))
+            self.values.append(torch.empty((batch, kv, self.max_len, hd), dtype=value_dtype, device=v.device))
         self.keys[index][:, :, start:end] = k
         self.values[index][:, :, start:end] = v
         keys = self.keys[index][:, :, :end].transpose(-1, -2)  # (B, kv, hd, S): a view, which the product reads as is
@@ -292,6 +306,11 @@ class LeanDecoder:
 _NO_PADS = torch.empty(0, dtype=torch.long)  # decode_attention's "no row is padded"
 
 
+def _float32(x: Tensor) -> Tensor:
+    """A product's result as the fused kernels read it: float32 as it is, a bf16 one widened (exactly)."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
 def _norm_parameters(norm: torch.nn.Module) -> tuple[Tensor, float]:
     return norm.weight, norm.variance_epsilon
 
@@ -303,14 +322,15 @@ def _is_silu(module: torch.nn.Module) -> bool:
 
 
 def _fused_step_kernels(decoder: LeanDecoder):
-    """The fused kernels where they compute ``decoder``'s one-token steps exactly as its ``_forward`` does: float32
-    weights and caches on the CPU, every layer's q/k/v and gate/up as single prepared products, SiLU gating and
-    RMS norms with float32 weights. None otherwise (and where they cannot be built, or are turned off)."""
+    """The fused kernels where they compute ``decoder``'s one-token steps as its ``_forward`` does: float32
+    weights on the CPU, every layer's q/k/v and gate/up as single prepared products (float32 ones, or bf16 ones
+    under bf16 autocast: the module docstring says how those steps round), SiLU gating and RMS norms with float32
+    weights. None otherwise (and where they cannot be built, or are turned off)."""
     body = decoder.body
     embedding = body.embed_tokens.weight
     if embedding.device.type != "cpu" or embedding.dtype != torch.float32 or decoder.cos.dtype != torch.float32:
         return None
-    if torch.is_autocast_enabled("cpu"):  # a bf16-mixed rollout: built in it, the decoder steps in it
+    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") != torch.bfloat16:
         return None
     norms = [body.norm] + [n for layer in body.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
     if not all(

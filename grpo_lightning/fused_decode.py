@@ -27,7 +27,7 @@ makes them one Python module.
 
 The extension is compiled once per machine, with ``-march=native`` (less AVX-512, or AVX2 too, where
 ``$ATEN_CPU_CAPABILITY`` holds PyTorch to avx2 or default), by PyTorch's ``cpp_extension`` (a C++
-compiler and ninja, which the package depends on), the first time a float32 CPU run (not a bf16-mixed one)
+compiler and ninja, which the package depends on), the first time a CPU run
 needs it (about a minute; ``scripts/setup.sh`` builds it as part of the setup), and cached in PyTorch's extension directory
 (``$TORCH_EXTENSIONS_DIR``) under a name that includes the CPU's features. Where it cannot be built the
 decoder says so in one line and runs its PyTorch operations; ``GRPO_LIGHTNING_FUSED_DECODE=0`` turns the

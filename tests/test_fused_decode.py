@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 from conftest import build_tiny_llama, needs_a_compiler
-from test_fast_decode import build_tiny_qwen2, full_forward, left_padded_prompts
+from test_fast_decode import build_tiny_qwen2, full_forward, left_padded_prompts, needs_bf16_products
 
 from grpo_lightning import fast_decode, fused_decode, packed_linear
 from grpo_lightning.fast_decode import LeanDecoder
@@ -250,14 +250,17 @@ def test_fused_steps_of_left_padded_prompts_decode_as_each_row_alone(fused_steps
 
 
 @torch.no_grad()
-def test_no_fused_steps_under_autocast_with_gradients_or_with_the_kernels_off(fused_steps, monkeypatch):
+def test_no_fused_steps_without_prepared_products_with_gradients_or_with_the_kernels_off(fused_steps, monkeypatch):
     model = build_tiny_llama(vocab_size=300, seed=3)
     ids = torch.randint(0, 300, (2, 4), generator=torch.Generator().manual_seed(3))
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed sampling: its products, its rounding
-        decoder = LeanDecoder(model, 2, 4)
-        assert decoder.fused is None  # a bf16-mixed run neither builds nor loads the kernels
-        decoder.prompt(ids[:, :2])
-        decoder.step(ids[:, 2:3])
+    with monkeypatch.context() as patched:  # bf16 autocast where oneDNN has no bf16 products: autocast's own
+        patched.setattr(packed_linear, "_bf16_products_available", lambda: False)
+        for dtype in (torch.bfloat16, torch.float16):  # nor under fp16 autocast, which has no prepared products
+            with torch.autocast("cpu", dtype=dtype):
+                decoder = LeanDecoder(model, 2, 4)
+                assert decoder.fused is None
+                decoder.prompt(ids[:, :2])
+                decoder.step(ids[:, 2:3])
     with torch.enable_grad():  # built with gradients on: the modules' own forwards, no prepared products
         with_gradients = LeanDecoder(model, 2, 4)
         with_gradients.prompt(ids[:, :2])
@@ -270,6 +273,48 @@ def test_no_fused_steps_under_autocast_with_gradients_or_with_the_kernels_off(fu
     later = [off.step(ids[:, t : t + 1]) for t in range(2, 4)]
     assert fused_steps == []
     torch.testing.assert_close(torch.stack([first, *later], dim=1), full_forward(model, ids, 2), rtol=0, atol=1e-5)
+
+
+def bf16_products_only(model: torch.nn.Module):
+    """``model`` with every linear layer computing as a bf16 product does (input, weight and bias rounded to bf16,
+    the result rounded to bf16) and returning it widened to float32: float32 everywhere else."""
+    import torch.nn.functional as F
+
+    def rounded(layer):
+        def forward(x):
+            bias = None if layer.bias is None else layer.bias.bfloat16()
+            return F.linear(x.bfloat16(), layer.weight.bfloat16(), bias).float()
+
+        return forward
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = rounded(module)
+    return model
+
+
+@needs_bf16_products
+@pytest.mark.parametrize("build", [build_tiny_llama, build_tiny_qwen2], ids=["llama", "qwen2-biases"])
+@torch.no_grad()
+def test_fused_steps_under_bf16_autocast_round_only_the_products(fused_steps, build):
+    model = build(vocab_size=300, seed=5)
+    prompt = torch.randint(0, 300, (1, 3), generator=torch.Generator().manual_seed(7))
+    ids = torch.cat([prompt.repeat(4, 1), torch.randint(0, 300, (4, 5), generator=torch.Generator().manual_seed(8))], dim=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        decoder = LeanDecoder(model, 4, 8)
+        assert decoder.fused is not None and decoder.products[0].joined_qkv is not None
+        fused = torch.stack([decoder.prompt(ids[:, :3]), *(decoder.step(ids[:, t : t + 1]) for t in range(3, 8))], dim=1)
+        eager = full_forward(model, ids, 3).float()  # autocast's own rounding, every operation in its dtype
+    assert fused_steps == [torch.Size([4, 1])] * 5 and fused.dtype == torch.bfloat16  # bf16 logits, as autocast's
+    assert decoder.keys[0].dtype == torch.float32 and decoder.values[0].dtype == torch.float32
+    rounded = full_forward(bf16_products_only(model), ids, 3)
+    # The fused steps round the products' inputs and results to bf16 and nothing else: the float32 forward with only
+    # its products rounded, to one rounding of the bf16 logits that float32 sums of another order may tip (the
+    # prompt's position is left out: the eager forward runs it, under autocast)
+    fused, rounded, eager = fused[:, 1:].float(), rounded[:, 1:], eager[:, 1:]
+    torch.testing.assert_close(fused, rounded, rtol=2**-8, atol=2**-9)
+    # autocast's eager operations round more (queries, keys, attention, the gated activation): further from it
+    assert (fused - rounded).abs().mean() < (eager - rounded).abs().mean()
 
 
 def test_the_environment_variable_turns_the_kernels_off(monkeypatch):
