@@ -54,9 +54,10 @@ def _plain_cpu_fp32(*tensors: Tensor) -> bool:
                for t in tensors)  # fmt: skip
 
 
-def _applies(*tensors: Tensor):
-    """The kernels, where they compute this layer's forward on these tensors; None otherwise."""
-    if torch.is_autocast_enabled("cpu") or not _plain_cpu_fp32(*tensors):
+def _applies(*tensors: Tensor, under_autocast: bool = False):
+    """The kernels, where they compute this layer's forward on these tensors; None otherwise. ``under_autocast``:
+    the layer computes the same under autocast as outside it, where its tensors are float32 (the norm)."""
+    if (torch.is_autocast_enabled("cpu") and not under_autocast) or not _plain_cpu_fp32(*tensors):
         return None
     return fused_training_kernels()
 
@@ -106,7 +107,9 @@ def _rows(x: Tensor, width: int) -> Tensor:
 
 
 def _norm_forward(self, hidden_states: Tensor) -> Tensor:
-    kernels = _applies(hidden_states, self.weight)
+    # Under bf16 autocast too: the residual stream it normalizes stays float32 there (a bf16 product's result
+    # added to a float32 one), and Llama's norm computes in float32 and returns its input's dtype, autocast or not.
+    kernels = _applies(hidden_states, self.weight, under_autocast=True)
     if kernels is None:
         return self.eager_forward(hidden_states)
     return FusedRMSNorm.apply(hidden_states, self.weight, float(self.variance_epsilon), kernels)

@@ -293,14 +293,33 @@ def test_lora_models_train_their_adapters_through_the_fused_layers(kernels, monk
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_the_layers_own_forward_runs_under_autocast_and_when_turned_off(kernels, monkeypatch):
+def test_under_bf16_autocast_only_the_norms_of_float32_activations_are_fused(kernels, monkeypatch):
     eager = build_tiny_llama(300)
     fused = copy.deepcopy(eager)
     use_fused_layers(fused)
     calls = count_fused_calls(monkeypatch)
     ids = torch.randint(1, 300, (2, 8), generator=torch.Generator().manual_seed(6))
+    x = torch.randn(2, 8, eager.config.hidden_size, generator=torch.Generator().manual_seed(7))
+    norm, eager_norm = fused.model.layers[0].input_layernorm, eager.model.layers[0].input_layernorm
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert torch.equal(fused(ids).logits, eager(ids).logits)  # the very same operations
+        # Llama's norm computes in float32 and returns its input's dtype, autocast or not: the kernel's result
+        torch.testing.assert_close(norm(x), eager_norm(x), rtol=0, atol=1e-6)
+        assert norm(x).dtype == torch.float32 and calls == ["FusedRMSNorm"] * 2
+        assert torch.equal(norm(x.bfloat16()), eager_norm(x.bfloat16())) and len(calls) == 2  # bf16: its own
+        del calls[:]
+        logits, expected = fused(ids).logits, eager(ids).logits
+    # 2 layers' 2 norms and the last one; the MLP's gate and up are bf16 products there: its own forward
+    assert calls == ["FusedRMSNorm"] * 5
+    # The same sums to float rounding before each bf16 rounding of a product's input: a rounding may tip
+    torch.testing.assert_close(logits.float(), expected.float(), rtol=2**-7, atol=2**-8)
+
+
+def test_the_layers_own_forward_runs_when_turned_off(kernels, monkeypatch):
+    eager = build_tiny_llama(300)
+    fused = copy.deepcopy(eager)
+    use_fused_layers(fused)
+    calls = count_fused_calls(monkeypatch)
+    ids = torch.randint(1, 300, (2, 8), generator=torch.Generator().manual_seed(6))
     monkeypatch.setenv(fused_decode.FUSED_TRAINING_ENV, "0")
     assert torch.equal(fused(ids).logits, eager(ids).logits)
     assert calls == []
