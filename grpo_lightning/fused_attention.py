@@ -15,8 +15,14 @@ copies, no rotated copies kept twice). benchmarks/MEASUREMENTS.md has the runs.
   reading key/value head ``h // (heads / kv_heads)``. Query i attends to keys 0..i. It keeps the probabilities
   (B, heads, T, T) and the rotated q and k for the backward, as the eager graph keeps its own.
 
+Under bf16 autocast (bf16-mixed runs) it runs too, on the projections' bf16 results widened to float32: the
+products stay bf16, as autocast makes them, and the attention between them is float32. Eager attention under
+autocast rounds more: the rotated queries and keys, the scores and the weighted values to bf16, as it runs its
+two batched products in bf16. So a bf16-mixed step's log-probabilities move by bf16 roundings; they stay as near
+the sampling's, whose fused decode attends in float32 as well (benchmarks/MEASUREMENTS.md).
+
 ``use_fused_attention(model)`` gives a model's Llama attention layers a forward that runs it where it applies:
-float32 CPU tensors outside autocast, eager attention chosen (``attn_implementation="eager"``, the module's choice
+float32 CPU tensors (the hidden states; the projections' results may be bf16 under bf16 autocast), eager attention chosen (``attn_implementation="eager"``, the module's choice
 for short sequences), no key/value cache (the learning step and the reference pass; sampling has its own decoder),
 no attention dropout in training, a head_dim that is a multiple of 16 (the kernel's vector width), the kernels
 built, and neither ``GRPO_LIGHTNING_FUSED_TRAINING`` nor ``GRPO_LIGHTNING_FUSED_ATTENTION`` 0. Anything else runs
@@ -66,6 +72,10 @@ class FusedCausalAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
 
 
+def _float32(x: Tensor) -> Tensor:
+    return x if x.dtype == torch.float32 else x.float()
+
+
 def _rows_of(x: Tensor, tokens: int) -> Tensor:
     """cos/sin (1 or B, T, hd), or a mask (1 or B, 1, T, T), as the kernel reads them: (1 or B, T, last), contiguous
     (a view where they are already)."""
@@ -78,7 +88,10 @@ def fused_attention_applies(module: torch.nn.Module, hidden_states: Tensor, kwar
         return None
     if kwargs.get("past_key_values") is not None or (module.training and module.attention_dropout > 0):
         return None
-    if torch.is_autocast_enabled("cpu") or hidden_states.dim() != 3 or not _plain_cpu_fp32(hidden_states):
+    bf16_autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    if (torch.is_autocast_enabled("cpu") and not bf16_autocast) or hidden_states.dim() != 3:
+        return None
+    if not _plain_cpu_fp32(hidden_states):
         return None
     return fused_training_kernels() if switched_on(FUSED_ATTENTION_ENV) else None
 
@@ -104,7 +117,8 @@ def _attention_forward(self, hidden_states: Tensor, position_embeddings=None, at
         return self.eager_forward(hidden_states, position_embeddings, attention_mask, **kwargs)
     tokens = hidden_states.shape[1]
     cos, sin = position_embeddings
-    q, k, v = self.q_proj(hidden_states), self.k_proj(hidden_states), self.v_proj(hidden_states)
+    # Under bf16 autocast the projections' bf16 results widen exactly; the kernel attends in float32 (below)
+    q, k, v = (_float32(p(hidden_states)) for p in (self.q_proj, self.k_proj, self.v_proj))
     heads, kv_heads = q.shape[-1] // self.head_dim, k.shape[-1] // self.head_dim
     mask = q.new_empty(0) if attention_mask is None else _rows_of(attention_mask, tokens)
     attended = FusedCausalAttention.apply(

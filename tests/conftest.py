@@ -144,3 +144,21 @@ def kernels():
     built = fused_decode.compiled_kernels()
     assert built is not None, "a C++ compiler is here, so the fused kernels must build (see the warning above)"
     return built
+
+
+def bf16_products_only(model: torch.nn.Module):
+    """``model`` with every linear layer computing as a bf16 product does (input, weight and bias rounded to bf16,
+    the result rounded to bf16) and returning it widened to float32: float32 everywhere else."""
+    from torch.nn import functional as F
+
+    def rounded(layer):
+        def forward(x):
+            bias = None if layer.bias is None else layer.bias.bfloat16()
+            return F.linear(x.bfloat16(), layer.weight.bfloat16(), bias).float()
+
+        return forward
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.forward = rounded(module)
+    return model

@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import build_tiny_llama, needs_a_compiler
+from conftest import bf16_products_only, build_tiny_llama, needs_a_compiler
 from test_fused_training import assert_same_model_results, loss_and_grads
 
 from grpo_lightning import fused_attention, fused_decode
@@ -166,7 +166,7 @@ def test_the_layers_own_forward_runs_wherever_the_kernel_does_not_apply(kernels,
     use_fused_attention(fused)
     calls = count_kernel_calls(monkeypatch)
     ids = torch.randint(1, 300, (2, 8), generator=torch.Generator().manual_seed(9))
-    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16-mixed runs
+    with torch.autocast("cpu", dtype=torch.float16):  # fp16 autocast: its own
         assert torch.equal(fused(ids, use_cache=False).logits, eager(ids, use_cache=False).logits)
     # with a key/value cache (generation): the cache must be filled, which the kernel does not do
     cached, expected = fused(ids, use_cache=True), eager(ids, use_cache=True)
@@ -181,6 +181,29 @@ def test_the_layers_own_forward_runs_wherever_the_kernel_does_not_apply(kernels,
     assert calls == []
     fused(ids, use_cache=False)
     assert calls == [1, 1]  # and with nothing in the way, both layers run it
+
+
+@torch.no_grad()
+def test_under_bf16_autocast_the_kernel_attends_in_float32_between_bf16_products(kernels, monkeypatch):
+    model = build_llama_with_wide_heads().eval()
+    eager_layer = model.model.layers[0].self_attn
+    fused = copy.deepcopy(model)
+    use_fused_attention(fused)
+    calls = count_kernel_calls(monkeypatch)
+    hidden = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(11))
+    positions = torch.arange(8).unsqueeze(0)
+    tables = model.model.rotary_emb(hidden, positions)
+    mask = torch.full((8, 8), torch.finfo(torch.float32).min).triu(1)[None, None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fused.model.layers[0].self_attn(hidden, tables, mask)[0]
+        autocast_eager = eager_layer(hidden, tables, mask)[0]
+    assert calls == [1] and out.dtype == torch.bfloat16  # the output projection's bf16 result, as autocast's
+    # The layer in float32 with only its four products rounded to bf16: what the kernel computes between them, to a
+    # rounding of the output product's input or result that float32 sums of another order may tip
+    rounded = bf16_products_only(copy.deepcopy(eager_layer))(hidden, tables, mask)[0]
+    torch.testing.assert_close(out.float(), rounded, rtol=2**-7, atol=1e-4)
+    # Eager attention under autocast rounds the scores and weighted values as well: further from it
+    assert (out.float() - rounded).abs().mean() < (autocast_eager.float() - rounded).abs().mean()
 
 
 def test_heads_that_are_not_whole_blocks_of_16_keep_eager_attention(kernels, monkeypatch):
