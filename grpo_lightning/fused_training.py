@@ -13,7 +13,9 @@ on 2 Zen 4 cores (SmolLM2-135M, a minibatch of 16 x 32 tokens, fp32) a norm's fo
 
 ``use_fused_layers(model)`` gives a model's norms and MLPs a forward that runs them where they apply: float32
 CPU tensors outside autocast, with the kernels built (``fused_decode.compiled_kernels``) and
-``GRPO_LIGHTNING_FUSED_TRAINING`` not 0. Anything else (bf16 autocast, a GPU, a sharded weight) runs the
+``GRPO_LIGHTNING_FUSED_TRAINING`` not 0; under bf16 autocast the norms too, whose input (the residual stream) is
+float32 there and which compute in float32 either way. Anything else (the MLP under autocast, whose gate and up
+are bf16 products: widened for the kernel it was no faster on 2 Intel cores; a GPU, a sharded weight) runs the
 layer's own forward. Only layers whose forward is the very code of Llama's (``LlamaRMSNorm``, ``LlamaMLP``
 with SiLU) are changed, which covers the models that copy it (Qwen2, Mistral, SmolLM, ...); the projections
 are called as they are (LoRA layers and ``TrainingLinear`` included). Results agree with the eager layers to
