@@ -11,7 +11,7 @@ import types
 
 import pytest
 import torch
-from conftest import build_tiny_llama, needs_a_compiler
+from conftest import bf16_products_only, build_tiny_llama, needs_a_compiler
 from test_fast_decode import build_tiny_qwen2, full_forward, left_padded_prompts, needs_bf16_products
 
 from grpo_lightning import fast_decode, fused_decode, packed_linear
@@ -273,24 +273,6 @@ def test_no_fused_steps_without_prepared_products_with_gradients_or_with_the_ker
     later = [off.step(ids[:, t : t + 1]) for t in range(2, 4)]
     assert fused_steps == []
     torch.testing.assert_close(torch.stack([first, *later], dim=1), full_forward(model, ids, 2), rtol=0, atol=1e-5)
-
-
-def bf16_products_only(model: torch.nn.Module):
-    """``model`` with every linear layer computing as a bf16 product does (input, weight and bias rounded to bf16,
-    the result rounded to bf16) and returning it widened to float32: float32 everywhere else."""
-    import torch.nn.functional as F
-
-    def rounded(layer):
-        def forward(x):
-            bias = None if layer.bias is None else layer.bias.bfloat16()
-            return F.linear(x.bfloat16(), layer.weight.bfloat16(), bias).float()
-
-        return forward
-
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.forward = rounded(module)
-    return model
 
 
 @needs_bf16_products
