@@ -293,12 +293,16 @@ def test_lora_models_train_their_adapters_through_the_fused_layers(kernels, monk
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_under_bf16_autocast_only_the_norms_of_float32_activations_are_fused(kernels, monkeypatch):
+def tiny_llama_pair(monkeypatch):
+    """(eager, fused, fused calls, ids): a tiny Llama, a copy with the fused layers, their calls counted."""
     eager = build_tiny_llama(300)
     fused = copy.deepcopy(eager)
     use_fused_layers(fused)
-    calls = count_fused_calls(monkeypatch)
-    ids = torch.randint(1, 300, (2, 8), generator=torch.Generator().manual_seed(6))
+    return eager, fused, count_fused_calls(monkeypatch), torch.randint(1, 300, (2, 8), generator=torch.Generator().manual_seed(6))
+
+
+def test_under_bf16_autocast_only_the_norms_of_float32_activations_are_fused(kernels, monkeypatch):
+    eager, fused, calls, ids = tiny_llama_pair(monkeypatch)
     x = torch.randn(2, 8, eager.config.hidden_size, generator=torch.Generator().manual_seed(7))
     norm, eager_norm = fused.model.layers[0].input_layernorm, eager.model.layers[0].input_layernorm
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -315,11 +319,7 @@ def test_under_bf16_autocast_only_the_norms_of_float32_activations_are_fused(ker
 
 
 def test_the_layers_own_forward_runs_when_turned_off(kernels, monkeypatch):
-    eager = build_tiny_llama(300)
-    fused = copy.deepcopy(eager)
-    use_fused_layers(fused)
-    calls = count_fused_calls(monkeypatch)
-    ids = torch.randint(1, 300, (2, 8), generator=torch.Generator().manual_seed(6))
+    eager, fused, calls, ids = tiny_llama_pair(monkeypatch)
     monkeypatch.setenv(fused_decode.FUSED_TRAINING_ENV, "0")
     assert torch.equal(fused(ids).logits, eager(ids).logits)
     assert calls == []
