@@ -22,10 +22,10 @@ two batched products in bf16. So a bf16-mixed step's log-probabilities move by b
 the sampling's, whose fused decode attends in float32 as well (benchmarks/MEASUREMENTS.md).
 
 ``use_fused_attention(model)`` gives a model's Llama attention layers a forward that runs it where it applies:
-float32 CPU tensors (the hidden states; the projections' results may be bf16 under bf16 autocast), eager attention chosen (``attn_implementation="eager"``, the module's choice
-for short sequences), no key/value cache (the learning step and the reference pass; sampling has its own decoder),
-no attention dropout in training, a head_dim that is a multiple of 16 (the kernel's vector width), the kernels
-built, and neither ``GRPO_LIGHTNING_FUSED_TRAINING`` nor ``GRPO_LIGHTNING_FUSED_ATTENTION`` 0. Anything else runs
+float32 CPU hidden states (the projections' results may be bf16, under bf16 autocast), eager attention chosen
+(``attn_implementation="eager"``, the module's choice for short sequences), no key/value cache (the learning
+step and the reference pass; sampling has its own decoder), no attention dropout in training, a head_dim that is
+a multiple of 16 (the kernel's vector width), the kernels built, and neither ``GRPO_LIGHTNING_FUSED_TRAINING`` nor ``GRPO_LIGHTNING_FUSED_ATTENTION`` 0. Anything else runs
 the layer's own forward. Only layers whose forward is the very code of ``LlamaAttention.forward`` are changed.
 
 The mask: eager attention is given a (B, 1, T, T) float mask, 0 where a query may attend and the float32 minimum
@@ -44,6 +44,7 @@ from torch import Tensor
 from transformers.models.llama import modeling_llama
 from transformers.models.llama.modeling_llama import LlamaAttention
 
+from .fast_decode import _float32
 from .fused_decode import switched_on
 from .fused_training import _fused_class, _plain_cpu_fp32, _same_code, fused_training_kernels
 
@@ -72,10 +73,6 @@ class FusedCausalAttention(torch.autograd.Function):
         return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
 
 
-def _float32(x: Tensor) -> Tensor:
-    return x if x.dtype == torch.float32 else x.float()
-
-
 def _rows_of(x: Tensor, tokens: int) -> Tensor:
     """cos/sin (1 or B, T, hd), or a mask (1 or B, 1, T, T), as the kernel reads them: (1 or B, T, last), contiguous
     (a view where they are already)."""
@@ -88,10 +85,9 @@ def fused_attention_applies(module: torch.nn.Module, hidden_states: Tensor, kwar
         return None
     if kwargs.get("past_key_values") is not None or (module.training and module.attention_dropout > 0):
         return None
-    bf16_autocast = torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
-    if (torch.is_autocast_enabled("cpu") and not bf16_autocast) or hidden_states.dim() != 3:
-        return None
-    if not _plain_cpu_fp32(hidden_states):
+    if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") != torch.bfloat16:
+        return None  # fp16 autocast: the layer's own forward
+    if hidden_states.dim() != 3 or not _plain_cpu_fp32(hidden_states):
         return None
     return fused_training_kernels() if switched_on(FUSED_ATTENTION_ENV) else None
 
